@@ -1,0 +1,203 @@
+"""Process-group set-up: read who we are (args, torchrun or SLURM), pick a backend, pin a device.
+
+The three sources, highest priority first:
+  1. explicit arguments to `init(...)`;
+  2. torchrun's (and `python -m minidp.run`'s) environment: RANK, LOCAL_RANK, WORLD_SIZE,
+     LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT;
+  3. SLURM's: SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_NTASKS_PER_NODE, SLURM_NODEID.
+With none of them, the process is a world of one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 1800.0  # torch's own default for the collective timeout
+
+# (name in DistEnv, torchrun variable, SLURM variable)
+_SOURCES = (
+    ("rank", "RANK", "SLURM_PROCID"),
+    ("local_rank", "LOCAL_RANK", "SLURM_LOCALID"),
+    ("world_size", "WORLD_SIZE", "SLURM_NTASKS"),
+    ("local_world_size", "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"),
+    ("node_rank", "GROUP_RANK", "SLURM_NODEID"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    """Who this process is in the job. Returned by `init()`; frozen so nobody edits it by accident."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    node_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    device: torch.device = torch.device("cpu")
+    backend: str = "gloo"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _as_int(value, name: str, source: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} (from {source}) is not an integer") from None
+
+
+def _slurm_tasks_per_node(raw: str) -> str:
+    # SLURM writes e.g. "4(x2)" when every node has 4 tasks; take the first count.
+    return raw.split("(")[0].split(",")[0]
+
+
+def resolve_env(environ: Optional[Mapping[str, str]] = None, **explicit) -> DistEnv:
+    """Work out rank, sizes and rendezvous address without touching any process group.
+
+    A pure function of `environ` (default: os.environ) and the explicit keyword arguments, which win.
+    Keywords: rank, local_rank, world_size, local_world_size, node_rank, master_addr, master_port.
+    """
+    environ = os.environ if environ is None else environ
+    unknown = set(explicit) - {s[0] for s in _SOURCES} - {"master_addr", "master_port"}
+    if unknown:
+        raise TypeError(f"resolve_env() got unknown keyword(s) {sorted(unknown)}")
+    use_slurm = "RANK" not in environ and "SLURM_PROCID" in environ
+    values = {}
+    for name, torchrun_var, slurm_var in _SOURCES:
+        if explicit.get(name) is not None:
+            values[name] = _as_int(explicit[name], name, "argument")
+        elif torchrun_var in environ:
+            values[name] = _as_int(environ[torchrun_var], name, torchrun_var)
+        elif use_slurm and slurm_var in environ:
+            raw = environ[slurm_var]
+            raw = _slurm_tasks_per_node(raw) if name == "local_world_size" else raw
+            values[name] = _as_int(raw, name, slurm_var)
+
+    rank = values.get("rank", 0)
+    world_size = values.get("world_size", 1)
+    local_rank = values.get("local_rank", rank)
+    local_world_size = values.get("local_world_size", world_size)
+    node_rank = values.get("node_rank", rank // max(local_world_size, 1))
+    _check_ranks(rank, world_size, local_rank, local_world_size, node_rank)
+
+    nnodes = -(-world_size // local_world_size)
+    master_addr = explicit.get("master_addr") or environ.get("MASTER_ADDR")
+    if not master_addr:
+        if nnodes > 1:
+            raise ValueError(
+                f"MASTER_ADDR is missing with {nnodes} nodes (world_size={world_size}, "
+                f"local_world_size={local_world_size}): pass master_addr= or set MASTER_ADDR "
+                "to the address of the node that runs rank 0"
+            )
+        master_addr = "127.0.0.1"
+    port = explicit.get("master_port") or environ.get("MASTER_PORT")
+    if port is None and use_slurm and "SLURM_JOB_ID" in environ:
+        port = 20000 + int(environ["SLURM_JOB_ID"]) % 20000  # same on every task of the job
+    master_port = _as_int(port, "master_port", "MASTER_PORT") if port is not None else 0
+    if world_size > 1 and not 0 < master_port < 65536:
+        raise ValueError(f"master_port={port!r} with world_size={world_size}: set MASTER_PORT to a free port")
+    return DistEnv(rank, local_rank, world_size, node_rank, local_world_size, master_addr, master_port)
+
+
+def _check_ranks(rank, world_size, local_rank, local_world_size, node_rank) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world_size})")
+    if not 1 <= local_world_size <= world_size:
+        raise ValueError(f"local_world_size={local_world_size} must be in [1, world_size={world_size}]")
+    if not 0 <= local_rank < local_world_size:
+        raise ValueError(f"LOCAL_RANK={local_rank} must be in [0, LOCAL_WORLD_SIZE={local_world_size})")
+    if node_rank < 0:
+        raise ValueError(f"node_rank={node_rank} must be >= 0")
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is usable, else gloo. (is_nccl_available() is True even without a GPU.)"""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _as_timedelta(timeout: Union[float, datetime.timedelta, None]) -> datetime.timedelta:
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT_S
+    if not isinstance(timeout, datetime.timedelta):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"timeout={timeout!r} must be seconds (a number) or a datetime.timedelta")
+        timeout = datetime.timedelta(seconds=timeout)
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout={timeout} must be positive")
+    return timeout
+
+
+def init(
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    local_rank: Optional[int] = None,
+    local_world_size: Optional[int] = None,
+    node_rank: Optional[int] = None,
+    master_addr: Optional[str] = None,
+    master_port: Optional[int] = None,
+    backend: Optional[str] = None,
+    timeout: Union[float, datetime.timedelta, None] = None,
+) -> DistEnv:
+    """Create the default process group and pin this process's device.
+
+    Args:
+        rank, world_size, local_rank, local_world_size, node_rank, master_addr, master_port:
+            override what the environment says (torchrun's, then SLURM's). Default: read them.
+        backend: "nccl" or "gloo". Default: NCCL when CUDA is available, else gloo.
+        timeout: seconds (or a timedelta) a collective may wait for the other ranks before it
+            raises. Default 1800 s, torch's default.
+
+    Example:
+        env = minidp.init()          # under torchrun or `python -m minidp.run`
+        model = minidp.DDP(model.to(env.device))
+    """
+    if dist.is_initialized():
+        raise RuntimeError("minidp.init(): the default process group exists already; call minidp.shutdown() first")
+    spec = resolve_env(
+        rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
+        node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+    )
+    backend = backend or default_backend()
+    timeout = _as_timedelta(timeout)
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError(f"backend={backend!r} needs CUDA, and torch.cuda.is_available() is False")
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        # Several processes may share one GPU (gloo), hence the modulo.
+        device = torch.device("cuda", spec.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    _export(spec)
+    if spec.world_size == 1:
+        # A world of one needs no network: an in-memory store will do.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        # Ranks meet here: rank 0 hosts the TCP store, the others connect to it.
+        url = f"tcp://{spec.master_addr}:{spec.master_port}"
+        dist.init_process_group(backend, init_method=url, rank=spec.rank, world_size=spec.world_size,
+                                timeout=timeout)
+    return dataclasses.replace(spec, device=device, backend=backend)
+
+
+def _export(spec: DistEnv) -> None:
+    """Leave the resolved identity in the environment, as torchrun does, for the rank helpers."""
+    os.environ.update(
+        RANK=str(spec.rank), LOCAL_RANK=str(spec.local_rank), WORLD_SIZE=str(spec.world_size),
+        LOCAL_WORLD_SIZE=str(spec.local_world_size), GROUP_RANK=str(spec.node_rank),
+    )
+
+
+def shutdown() -> None:
+    """Destroy the default process group. Safe to call twice, or without init()."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,105 @@
+"""`python -m minidp.run`: run a script once per local rank with torchrun's environment.
+
+    python -m minidp.run --nproc-per-node 2 train.py --epochs 3
+    python -m minidp.run --nnodes 2 --node-rank 0 --nproc-per-node 4 \\
+        --master-addr 10.0.0.1 --master-port 29500 train.py      # on node 0; node-rank 1 on node 1
+
+A script that works under torchrun works here unchanged, and the other way round.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import traceback
+from typing import List, Optional
+
+from .launch import Worker, WorkerFailed, check_topology, free_port, supervise, terminate, worker_env
+
+_ERROR_FILE_VAR = "MINIDP_ERROR_FILE"
+
+
+def _run_script_as_worker(script: str, script_args: List[str]) -> None:
+    """Child side: run the user's script as __main__, and record its traceback if it raises."""
+    from .launch import die_with_parent, exit_now, write_error
+
+    die_with_parent()
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            exit_now(0)
+        code = exc.code if isinstance(exc.code, int) else 1
+        write_error(os.environ[_ERROR_FILE_VAR], f"SystemExit({exc.code!r})\n")
+        exit_now(code)
+    except BaseException:
+        write_error(os.environ[_ERROR_FILE_VAR], traceback.format_exc())
+        exit_now(1)
+    exit_now(0)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m minidp.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
+    p.add_argument("--master-addr", "--master_addr", default=None,
+                   help="address of node 0 (default 127.0.0.1 on a single node)")
+    p.add_argument("--master-port", "--master_port", type=int, default=None,
+                   help="rendezvous port (default: a free one on a single node)")
+    p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
+    p.add_argument("script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = parse_args(argv)
+    if a.nnodes == 1 and a.master_addr is None:
+        a.master_addr = "127.0.0.1"
+    check_topology(a.nproc_per_node, a.nnodes, a.node_rank, a.master_addr)
+    if a.master_port is None:
+        if a.nnodes > 1:
+            raise ValueError(f"--master-port is required with --nnodes {a.nnodes}")
+        a.master_port = free_port(a.master_addr)
+    if not os.path.isfile(a.script):
+        raise ValueError(f"script={a.script!r} is not a file")
+    code = "from minidp.run import _run_script_as_worker as r; import sys; r(sys.argv[1], sys.argv[2:])"
+    with tempfile.TemporaryDirectory(prefix="minidp-run-") as error_dir:
+        workers = []
+        try:
+            for local_rank in range(a.nproc_per_node):
+                env = worker_env(local_rank, a.nproc_per_node, a.nnodes, a.node_rank, a.master_addr,
+                                 a.master_port)
+                error_path = os.path.join(error_dir, f"rank{env['RANK']}.err")
+                env = {**os.environ, **env, _ERROR_FILE_VAR: error_path}
+                # Own session: the launcher can signal the worker's whole tree, and Ctrl-C reaches
+                # only the launcher, which then stops every worker.
+                proc = subprocess.Popen([sys.executable, "-c", code, a.script, *a.script_args], env=env,
+                                        start_new_session=True)
+                workers.append(Worker(int(env["RANK"]), proc, error_path))
+            supervise(workers, a.timeout)
+        except WorkerFailed as exc:
+            print(f"minidp.run: {exc}", file=sys.stderr, flush=True)
+            return 1
+        except TimeoutError as exc:
+            print(f"minidp.run: {exc}", file=sys.stderr, flush=True)
+            return 124
+        except KeyboardInterrupt:
+            return 130
+        finally:
+            terminate(workers)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, TypeError) as exc:
+        print(f"minidp.run: error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,161 @@
+"""minidp.launch and `python -m minidp.run`: real processes, real gloo, on CPU."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import minidp
+from harness import run_ranks
+from minidp.launch import free_port
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+
+
+def _all_reduce_rank():
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)  # ranks meet here
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(),
+            "local_rank": int(os.environ["LOCAL_RANK"]), "pid": os.getpid()}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_launch_all_reduce(world_size):
+    results = run_ranks(_all_reduce_rank, world_size)
+    assert [r["rank"] for r in results] == list(range(world_size))
+    assert all(r["world"] == world_size for r in results)
+    assert all(r["sum"] == sum(range(world_size)) for r in results)
+    assert [r["local_rank"] for r in results] == list(range(world_size))
+
+
+def _node_worker(local_rank, out_dir, log_path):
+    torch.set_num_threads(1)
+    env = minidp.init(timeout=60)
+    with minidp.local_rank_zero_first():
+        _append(log_path, f"start {env.rank}")
+        if env.local_rank == 0:
+            time.sleep(1.0)  # long enough that a missing barrier would let the others start first
+        _append(log_path, f"end {env.rank}")
+    t = torch.tensor([float(env.rank)])
+    dist.all_reduce(t)  # ranks meet here, across both "nodes"
+    with open(os.path.join(out_dir, f"{env.rank}.json"), "w") as f:
+        json.dump({"local_rank": env.local_rank, "node_rank": env.node_rank, "sum": t.item(),
+                   "world": env.world_size}, f)
+    minidp.shutdown()
+
+
+def _append(path, line):
+    with open(path, "a") as f:  # O_APPEND: each short write lands whole, in the order made
+        f.write(line + "\n")
+
+
+def test_two_nodes_on_localhost_and_local_rank_zero_first(tmp_path):
+    port, log = free_port(), str(tmp_path / "events.log")
+    errors = []
+
+    def node(node_rank):
+        try:
+            minidp.launch(_node_worker, nprocs=2, args=(str(tmp_path), log), nnodes=2, node_rank=node_rank,
+                          master_addr="127.0.0.1", master_port=port, timeout=120)
+        except BaseException as exc:  # re-raised in the test's thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=node, args=(n,)) for n in (0, 1)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors, errors
+    results = {r: json.load(open(tmp_path / f"{r}.json")) for r in range(4)}
+    assert {r: (v["node_rank"], v["local_rank"]) for r, v in results.items()} == {
+        0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
+    assert all(v["sum"] == 0 + 1 + 2 + 3 and v["world"] == 4 for v in results.values())
+    events = open(log).read().split()
+    events = [" ".join(events[i:i + 2]) for i in range(0, len(events), 2)]
+    last_local_zero_end = max(events.index("end 0"), events.index("end 2"))
+    first_other_start = min(events.index("start 1"), events.index("start 3"))
+    assert last_local_zero_end < first_other_start, events
+
+
+def _raise_on_rank1(pid_dir):
+    with open(os.path.join(pid_dir, f"{dist.get_rank()}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    dist.barrier()  # ranks meet here: both pids are written
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is broken on purpose")
+    dist.all_reduce(torch.ones(1))  # rank 0 blocks here on a dead peer
+    time.sleep(120)
+
+
+def _assert_dead(pid_dir, n):
+    pids = [int(open(os.path.join(pid_dir, f"{r}.pid")).read()) for r in range(n)]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_launch_failure_names_rank_and_leaves_no_process(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(minidp.WorkerFailed) as info:
+        run_ranks(_raise_on_rank1, 2, str(tmp_path), collective_timeout=120)
+    assert time.monotonic() - start < 30
+    assert info.value.rank == 1
+    assert "worker rank 1 failed first" in str(info.value)
+    assert "rank one is broken on purpose" in str(info.value)
+    _assert_dead(str(tmp_path), 2)
+
+
+def _cli(args, **kw):
+    return subprocess.run([sys.executable, "-m", "minidp.run", *args], capture_output=True, text=True,
+                          timeout=120, **kw)
+
+
+def test_cli_sets_torchrun_environment(tmp_path):
+    proc = _cli(["--nproc-per-node", "2", os.path.join(SCRIPTS, "report_env.py"), str(tmp_path), "--flag"])
+    assert proc.returncode == 0, proc.stderr
+    reports = [json.load(open(tmp_path / f"{r}.json")) for r in range(2)]
+    for rank, rep in enumerate(reports):
+        assert rep["env"]["RANK"] == rep["env"]["LOCAL_RANK"] == str(rank)
+        assert rep["env"]["WORLD_SIZE"] == rep["env"]["LOCAL_WORLD_SIZE"] == "2"
+        assert rep["env"]["MASTER_ADDR"] == "127.0.0.1"
+        assert rep["sum"] == 3.0 and rep["argv"] == [str(tmp_path), "--flag"] and rep["name"] == "__main__"
+    assert reports[0]["env"]["MASTER_PORT"] == reports[1]["env"]["MASTER_PORT"]
+    assert proc.stdout.count("printed once by rank 0") == 1
+    assert "[rank 0] hello from the logger" in proc.stderr
+    assert "[rank 1] hello from the logger" in proc.stderr
+
+
+def test_cli_failure_exits_nonzero_naming_rank(tmp_path):
+    start = time.monotonic()
+    proc = _cli(["--nproc-per-node", "2", os.path.join(SCRIPTS, "fail_rank1.py"), str(tmp_path)])
+    assert time.monotonic() - start < 30
+    assert proc.returncode != 0
+    assert "worker rank 1 failed first" in proc.stderr
+    assert proc.stderr.count("ValueError: rank one is broken on purpose") == 1  # traceback printed once
+    _assert_dead(str(tmp_path), 2)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(nprocs=0), ValueError, r"nprocs=0 must be >= 1"),
+    (dict(nprocs=2, nnodes=2, node_rank=2, master_port=1234), ValueError, r"node_rank=2 must be in \[0, nnodes=2\)"),
+    (dict(nprocs=2, nnodes=2, node_rank=0, master_addr=None, master_port=1234), ValueError,
+     r"master_addr=None with nnodes=2"),
+    (dict(nprocs=2, nnodes=2, node_rank=0), ValueError, r"master_port=None with nnodes=2"),
+    (dict(nprocs="2"), TypeError, r"nprocs='2' must be an int"),
+])
+def test_launch_bad_input(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        minidp.launch(print, **kwargs)
+
+
+def test_cli_bad_input():
+    proc = _cli(["--nproc-per-node", "0", "x.py"])
+    assert proc.returncode == 2 and "nprocs=0 must be >= 1" in proc.stderr
+
+
+def test_shutdown_is_safe_twice():
+    minidp.shutdown()
+    minidp.shutdown()
