@@ -1,0 +1,223 @@
+"""SyncBatchNorm on minidp's own collectives: batch statistics over the samples of every rank.
+
+With small per-rank batches, plain BatchNorm normalises with noisy statistics. SyncBatchNorm
+computes the mean and variance over the whole global batch instead:
+
+  forward:  one all-reduce of [sum(x), sum(x*x), count] per channel (counts may differ by rank);
+  backward: one all-reduce of [sum(dy), sum(dy*xhat)] per channel, the two sums that the input
+            gradient needs from every sample. Weight and bias gradients stay local, as in
+            torch.nn.SyncBatchNorm: the data-parallel wrapper averages them with the others.
+
+Numerics follow torch.nn.SyncBatchNorm: the running variance gets the unbiased global variance
+(count / (count - 1)), momentum=None means a cumulative average over num_batches_tracked, eval
+mode normalises with the running statistics and does not communicate. Unlike torch's, which needs
+a GPU, this one also runs on CPU (gloo). Double backward is not supported.
+
+The variance is E[x^2] - E[x]^2 of the global sums: in float32 it loses digits when a channel's
+mean is much larger than its spread; half/bfloat16 inputs are accumulated in float32.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.batchnorm import _BatchNorm
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    """(C,) -> (1, C, 1, ..., 1), to broadcast against a channels-first input of `ndim` dims."""
+    return t.view(1, -1, *([1] * (ndim - 2)))
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    """Sum `t` over `group` in place; group=None means one process (no communication)."""
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)  # ranks meet here
+    return t
+
+
+def _update_running(running: Optional[torch.Tensor], value: torch.Tensor, factor: float) -> None:
+    if running is not None:
+        running.mul_(1.0 - factor).add_(value.to(running.dtype), alpha=factor)
+
+
+class _SyncBatchNormFn(torch.autograd.Function):
+    """Batch norm over the global batch. group=None computes over the local batch only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
+        channels, dims = x.shape[1], [d for d in range(x.dim()) if d != 1]
+        xs = x.to(_stat_dtype(x.dtype))
+        count = torch.full((1,), x.numel() // max(channels, 1), dtype=xs.dtype, device=x.device)
+        # One tensor, one collective: [sum | sum of squares | count], so ranks with different
+        # batch sizes (even empty ones) weigh in by their number of samples.
+        stats = _all_reduce(torch.cat([xs.sum(dims), (xs * xs).sum(dims), count]), group)
+        total = stats[-1].item()
+        if total <= 1:
+            raise ValueError(f"SyncBatchNorm: expected more than 1 value per channel when training, "
+                             f"got {int(total)} over all ranks (input shape {tuple(x.shape)})")
+        mean = stats[:channels] / total
+        var = (stats[channels:2 * channels] / total - mean * mean).clamp_min(0)  # biased, as normalised
+        invstd = torch.rsqrt(var + eps)
+        with torch.no_grad():
+            _update_running(running_mean, mean, momentum)
+            _update_running(running_var, var * (total / (total - 1)), momentum)  # unbiased, as torch
+        xhat = (xs - _channel_view(mean, x.dim())) * _channel_view(invstd, x.dim())
+        y = xhat
+        if weight is not None:
+            y = y * _channel_view(weight.to(xs.dtype), x.dim())
+        if bias is not None:
+            y = y + _channel_view(bias.to(xs.dtype), x.dim())
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.group, ctx.total = group, total
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, mean, invstd = ctx.saved_tensors
+        channels, dims, ndim = x.shape[1], [d for d in range(x.dim()) if d != 1], x.dim()
+        dys = dy.to(_stat_dtype(dy.dtype))
+        xhat = (x.to(dys.dtype) - _channel_view(mean, ndim)) * _channel_view(invstd, ndim)
+        sum_dy, sum_dy_xhat = dys.sum(dims), (dys * xhat).sum(dims)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # y depends on every rank's samples through mean and invstd; these two sums carry
+            # that dependence back. One tensor, one collective.
+            both = _all_reduce(torch.cat([sum_dy, sum_dy_xhat]), ctx.group)
+            g_dy, g_dy_xhat = both[:channels] / ctx.total, both[channels:] / ctx.total
+            scale = invstd if weight is None else invstd * weight.to(dys.dtype)
+            grad_x = (dys - _channel_view(g_dy, ndim) - xhat * _channel_view(g_dy_xhat, ndim))
+            grad_x = (grad_x * _channel_view(scale, ndim)).to(x.dtype)
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_w = sum_dy_xhat.to(weight.dtype)  # local: DDP averages it like any other gradient
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = sum_dy.to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+class SyncBatchNorm(_BatchNorm):
+    """BatchNorm whose training statistics span every rank of a process group.
+
+    A drop-in for torch.nn.SyncBatchNorm (same arguments, same state_dict keys) that also runs on
+    CPU/gloo. Takes channels-first input of any rank >= 2: (N, C), (N, C, L), (N, C, H, W), ...
+    Without an initialised process group, in a group of one, or in eval mode, it is plain BatchNorm
+    and makes no collective call. In training, every rank of the group must call forward (and
+    backward) the same number of times; a rank may bring an empty batch.
+
+    Args:
+        num_features: number of channels C.
+        eps: added to the variance for stability. Default 1e-5.
+        momentum: weight of the new batch in the running statistics; None for a cumulative
+            average. Default 0.1.
+        affine: learnable per-channel weight and bias. Default True.
+        track_running_stats: keep running_mean/running_var for eval mode. Default True.
+        process_group: group whose ranks share statistics. Default None: the world.
+        device, dtype: of the parameters and buffers. Default: torch's defaults.
+        bias: with affine, whether there is a learnable bias. Default True.
+
+    Example:
+        model = minidp.convert_sync_batchnorm(model)   # or minidp.SyncBatchNorm(64) by hand
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, process_group=None,
+                 device=None, dtype=None, *, bias: bool = True) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats,
+                         device=device, dtype=dtype, bias=bias)
+        self.process_group = process_group
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"SyncBatchNorm expects input of at least 2 dims (N, C, ...), got shape {tuple(x.shape)}")
+        if x.size(1) != self.num_features:
+            raise ValueError(f"SyncBatchNorm({self.num_features}) got input with {x.size(1)} channels "
+                             f"(shape {tuple(x.shape)})")
+
+    def _group(self):
+        """The process group to synchronise over, or None when there is nobody to talk to."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        return group if dist.get_world_size(group) > 1 else None
+
+    def _average_factor(self) -> float:
+        """Weight of this batch in the running statistics; counts the batch (as torch does)."""
+        if not (self.training and self.track_running_stats):
+            return 0.0 if self.momentum is None else self.momentum
+        self.num_batches_tracked.add_(1)
+        if self.momentum is None:
+            return 1.0 / float(self.num_batches_tracked)
+        return self.momentum
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        factor = self._average_factor()
+        # Batch statistics in training, and in eval when there are no running statistics.
+        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        track = not self.training or self.track_running_stats
+        running_mean = self.running_mean if track else None
+        running_var = self.running_var if track else None
+        # Eval mode never communicates: each rank may run inference on its own.
+        group = self._group() if self.training else None
+        if group is None:
+            return F.batch_norm(x, running_mean, running_var, self.weight, self.bias,
+                                use_batch_stats, factor, self.eps)
+        return _SyncBatchNormFn.apply(x, self.weight, self.bias, running_mean, running_var,
+                                      self.eps, factor, group)
+
+
+def _convert(module: nn.Module, process_group) -> nn.Module:
+    out = module
+    if isinstance(module, _BatchNorm):
+        out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats, process_group, bias=module.bias is not None)
+        # The same Parameter and buffer objects, as torch's convert does: an optimizer built
+        # before the conversion still updates the right tensors, and requires_grad carries over.
+        if module.affine:
+            out.weight = module.weight
+            out.bias = module.bias
+        out.running_mean = module.running_mean
+        out.running_var = module.running_var
+        out.num_batches_tracked = module.num_batches_tracked
+        out.train(module.training)
+        if hasattr(module, "qconfig"):
+            out.qconfig = module.qconfig
+    for name, child in module.named_children():
+        out.add_module(name, _convert(child, process_group))
+    return out
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
+    """Replace every BatchNorm layer (1d/2d/3d, torch's SyncBatchNorm) in `module` by minidp's.
+
+    The new layers share the old ones' parameters and buffers (weight, bias, running_mean,
+    running_var, num_batches_tracked), so requires_grad, values and optimizer references carry
+    over; the training flag is copied. Call it before wrapping the model in DDP.
+
+    Args:
+        module: a BatchNorm layer or a module that contains at least one.
+        process_group: group to synchronise over. Default None: the world.
+
+    Returns:
+        `module` with its BatchNorm layers replaced, or a new SyncBatchNorm if `module` is one.
+
+    Raises:
+        TypeError: `module` is not an nn.Module.
+        ValueError: `module` contains no BatchNorm layer (most likely the wrong object was passed).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"convert_sync_batchnorm() expects an nn.Module, got {type(module).__name__}")
+    if not any(isinstance(m, _BatchNorm) for m in module.modules()):
+        raise ValueError(f"convert_sync_batchnorm(): {type(module).__name__} is not a BatchNorm layer and "
+                         "contains none; pass the model (or layer) that has the BatchNorm layers")
+    return _convert(module, process_group)
