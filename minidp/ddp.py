@@ -1,0 +1,181 @@
+"""minidp.DistributedDataParallel: the nn.Module wrapper (verify, broadcast, buffers, no_sync, hooks).
+
+A drop-in for torch.nn.parallel.DistributedDataParallel: same constructor keywords, same
+`.module`, same state_dict keys ("module." prefix), `no_sync()`, `register_comm_hook()`.
+The gradient averaging itself lives in reducer.py.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .reducer import Reducer
+from .sync import broadcast_coalesced, check_same_across_ranks
+from .timeline import Timeline
+
+
+class DistributedDataParallel(nn.Module):
+    """Average gradients over ranks during backward, bucket by bucket, as torch DDP does.
+
+    Args:
+        module: the model, already on this rank's device.
+        device_ids: None, or a single device for a single-device GPU module (inputs are moved there).
+        output_device: accepted for compatibility; outputs stay where the module puts them.
+        dim: accepted for compatibility (minidp never scatters inputs).
+        broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) before each
+            forward. Default True.
+        init_sync: broadcast rank 0's parameters and buffers at construction. Default True.
+        process_group: the group to average over. Default: the world.
+        bucket_cap_mb: bucket size in MiB. Default None: 25 MiB, first bucket 1 MiB (DDP's).
+        find_unused_parameters: parameters that get no gradient are reduced as zeros. Default False.
+        check_reduction: ignored (deprecated in torch too).
+        gradient_as_bucket_view: `.grad` tensors become views into the buckets. Default False.
+        static_graph: accepted; selects the same bucket policy as find_unused_parameters=False.
+
+    Example:
+        env = minidp.init()
+        model = minidp.DDP(model.to(env.device))
+        loss_fn(model(x), y).backward()      # gradients are averaged when this returns
+    """
+
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
+                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False, **unsupported):
+        super().__init__()
+        _check_arguments(module, bucket_cap_mb, unsupported)
+        if not dist.is_initialized():
+            raise RuntimeError("minidp.DDP needs a process group: call minidp.init() first")
+        self.module, self.process_group, self.dim = module, process_group, dim
+        self.device_ids = _check_device_ids(module, device_ids)
+        self.output_device = output_device
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.require_backward_grad_sync = True  # False inside no_sync()
+        self.require_forward_param_sync = True  # whether the next forward broadcasts buffers
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._verify_across_ranks(named, bucket_cap_mb)
+        if not named:
+            raise RuntimeError("minidp.DDP: the module has no parameter that requires a gradient; "
+                               "there is nothing to average (DDP is not needed)")
+        if init_sync:
+            states = [p for _, p in module.named_parameters()] + list(module.buffers())
+            broadcast_coalesced(states, process_group)  # ranks meet here: rank 0's weights win
+        self.reducer = Reducer([p for _, p in named], [n for n, _ in named], process_group, bucket_cap_mb,
+                               find_unused_parameters, gradient_as_bucket_view, static_graph)
+
+    def _verify_across_ranks(self, named, bucket_cap_mb) -> None:
+        """Every rank must wrap the same parameters (and settings); say where they differ."""
+        records = [("parameter", n, tuple(p.shape), str(p.dtype)) for n, p in named]
+        records += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in self.module.named_buffers()]
+        records.append(("settings", f"bucket_cap_mb={bucket_cap_mb}",
+                        f"find_unused_parameters={self.find_unused_parameters}",
+                        f"gradient_as_bucket_view={self.gradient_as_bucket_view}"))
+        check_same_across_ranks("parameter/buffer/setting", records, self.process_group)
+
+    def forward(self, *inputs, **kwargs):
+        self.reducer.raise_if_failed()
+        if torch.is_grad_enabled():
+            self.reducer.maybe_rebuild()  # ranks meet here, once, after the first synced iteration
+        if self.require_forward_param_sync and self.broadcast_buffers:
+            self._sync_buffers()
+        if self.device_ids:
+            inputs, kwargs = _move_to(inputs, self.device_ids[0]), _move_to(kwargs, self.device_ids[0])
+        output = self.module(*inputs, **kwargs)
+        # As in DDP, whether the *next* forward broadcasts buffers depends on this one syncing.
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self.require_forward_param_sync = True
+            self.reducer.prepare_for_backward()
+        else:
+            self.require_forward_param_sync = False
+        return output
+
+    def _sync_buffers(self) -> None:
+        buffers = list(self.module.buffers())
+        if buffers:
+            broadcast_coalesced(buffers, self.process_group)  # ranks meet here
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the first synced backward after it averages the sum.
+
+        Run the forward inside the context too, as with torch DDP.
+        """
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    def register_comm_hook(self, state, hook: Callable) -> None:
+        """Replace the all-reduce of each bucket by `hook(state, bucket) -> Future[Tensor]`.
+
+        DDP's contract: the hook averages (gradients arrive unscaled), and the future's value is
+        the reduced buffer. Register it once, before training starts.
+        """
+        if not callable(hook):
+            raise TypeError(f"hook={hook!r} must be callable as hook(state, bucket)")
+        if self.reducer.custom_hook:
+            raise RuntimeError("register_comm_hook: a communication hook is registered already (only one)")
+        self.reducer.comm_hook, self.reducer.comm_state, self.reducer.custom_hook = hook, state, True
+
+    def enable_timeline(self) -> Timeline:
+        """Start recording gradient-ready, launch and completion events; returns the Timeline."""
+        self.reducer.timeline = Timeline()
+        return self.reducer.timeline
+
+    def disable_timeline(self) -> None:
+        self.reducer.timeline = None
+
+    def bucket_plan(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order."""
+        return self.reducer.bucket_plan()
+
+
+DDP = DistributedDataParallel
+
+
+def _check_arguments(module, bucket_cap_mb, unsupported) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module={type(module).__name__} must be a torch.nn.Module")
+    if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+                                      or bucket_cap_mb <= 0):
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a positive number of MiB (or None)")
+    for name, value in unsupported.items():
+        if value not in (None, False):
+            raise ValueError(f"minidp.DDP does not support {name}={value!r}")
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            raise ValueError(f"module {name!r} ({type(sub).__name__}) has sparse=True: minidp reduces only "
+                             "dense gradients; use sparse=False")
+
+
+def _check_device_ids(module, device_ids):
+    if device_ids is None:
+        return None
+    if len(device_ids) != 1:
+        raise ValueError(f"device_ids={device_ids!r} must be None or hold one device (one device per process)")
+    devices = {p.device for p in module.parameters()}
+    if any(d.type == "cpu" for d in devices):
+        raise ValueError(f"device_ids={device_ids!r} given for a module on the CPU: pass device_ids=None")
+    return [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in device_ids]
+
+
+def _move_to(obj, device):
+    """Move every tensor in nested tuples/lists/dicts to `device` (DDP does this for device_ids)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple):
+        return tuple(_move_to(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [_move_to(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _move_to(v, device) for k, v in obj.items()}
+    return obj

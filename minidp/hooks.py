@@ -1,0 +1,78 @@
+"""Communication hooks: `hook(state, bucket) -> Future[Tensor]`, torch DDP's contract.
+
+A hook receives a `GradBucket` whose `buffer()` holds the bucket's gradients back to back, starts
+whatever communication it likes, and returns a `torch.futures.Future` whose value is a tensor shaped
+like the buffer: the reduced gradients. torch's own hooks
+(`torch.distributed.algorithms.ddp_comm_hooks`: allreduce_hook, fp16_compress_hook,
+bf16_compress_hook, powerSGD_hook) run on minidp unchanged.
+
+With no hook registered, minidp runs `allreduce_sum_hook`, and the gradients were already scaled
+by 1/world_size while they were copied into the bucket (DDP's numerics). A registered hook gets
+the raw sum of local gradients instead, and does its own averaging, as in DDP.
+
+Example: a hook that averages in fp16 through the default process group.
+
+    def fp16_average(group, bucket):
+        half = bucket.buffer().to(torch.float16).div_(dist.get_world_size(group))
+        fut = dist.all_reduce(half, group=group, async_op=True).get_future()
+        return fut.then(lambda f: bucket.buffer().copy_(f.value()[0]))
+
+    model.register_comm_hook(None, fp16_average)
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class GradBucket:
+    """One bucket as a comm hook sees it: the flat buffer, and the parameters whose grads it holds.
+
+    Args:
+        index: the bucket's position in the launch order (0 is launched first).
+        buffer: the flat gradient buffer.
+        parameters: the parameters in buffer order.
+        offsets: element offset of each parameter's gradient in the buffer.
+        is_last: whether this is the last bucket of the iteration.
+    """
+
+    def __init__(self, index: int, buffer: torch.Tensor, parameters: list, offsets: list, is_last: bool):
+        self._index, self._buffer, self._params = index, buffer, parameters
+        self._offsets, self._is_last = offsets, is_last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the buffer that buffer() and gradients() show (as DDP's GradBucket does)."""
+        self._buffer = tensor
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def parameters(self) -> list:
+        return list(self._params)
+
+    def gradients(self) -> list:
+        """Per-parameter views of the buffer, shaped like the parameters."""
+        return [self._buffer[o:o + p.numel()].view_as(p) for p, o in zip(self._params, self._offsets)]
+
+    def __repr__(self) -> str:
+        return f"GradBucket(index={self._index}, numel={self._buffer.numel()}, params={len(self._params)})"
+
+
+def allreduce_sum_hook(process_group, bucket: GradBucket) -> torch.futures.Future:
+    """The default path: sum the buffer over the group, in place (grads were pre-scaled by 1/N)."""
+    buffer = bucket.buffer()
+    work = dist.all_reduce(buffer, group=process_group, async_op=True)  # ranks meet here (async)
+    return work.get_future().then(lambda _: buffer)
+
+
+def allreduce_mean_hook(process_group, bucket: GradBucket) -> torch.futures.Future:
+    """Average by dividing before the sum, as torch's allreduce_hook does."""
+    size = dist.get_world_size(process_group)
+    bucket.buffer().div_(size)
+    return allreduce_sum_hook(process_group, bucket)

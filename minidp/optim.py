@@ -1,0 +1,203 @@
+"""Layer-wise adaptive optimizers for large batches: LARS and LAMB, as published.
+
+Both give each parameter tensor (a "layer") its own step size from the ratio of its norm to the
+norm of its update, so that no layer takes a step that is large relative to its weights; this is
+what keeps very large learning rates (large batches) stable.
+
+Parameter groups may set `weight_decay` and `trust_ratio` (True/False) on their own;
+`exclude_bias_and_norm(model)` builds the usual two groups, where biases and normalisation
+weights get neither weight decay nor the trust ratio (as in You et al.'s experiments).
+
+Example:
+    optimizer = minidp.optim.LARS(minidp.optim.exclude_bias_and_norm(model), lr=4.8,
+                                  momentum=0.9, weight_decay=1e-6)
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+
+def exclude_bias_and_norm(model: nn.Module) -> List[Dict]:
+    """Parameter groups with biases and normalisation weights excluded from decay and trust ratio.
+
+    A parameter with at most one dimension (every bias; the weight of BatchNorm, LayerNorm,
+    GroupNorm, ...) goes in a group with weight_decay=0 and trust_ratio=False, so LARS/LAMB give
+    it the plain momentum-SGD/Adam step. The others go in a group that takes the optimizer's
+    defaults. Empty groups are left out.
+
+    Args:
+        model: the module whose parameters (model.parameters(), shared ones once) to split.
+
+    Returns:
+        a list of param-group dicts, to pass as the optimizer's first argument.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"exclude_bias_and_norm() expects an nn.Module, got {type(model).__name__}")
+    params = list(model.parameters())
+    regular = [p for p in params if p.dim() > 1]
+    excluded = [p for p in params if p.dim() <= 1]
+    groups = [{"params": regular}, {"params": excluded, "weight_decay": 0.0, "trust_ratio": False}]
+    return [g for g in groups if g["params"]]
+
+
+def _check_group(name: str, group: Dict) -> None:
+    """Raise ValueError/TypeError naming the first bad hyper-parameter of `group`."""
+    def bad(key, rule):
+        raise ValueError(f"{name}: {key}={group[key]!r} {rule}")
+
+    if not group["lr"] >= 0:
+        bad("lr", "must be >= 0")
+    if not group["eps"] > 0:
+        bad("eps", "must be > 0")
+    if not group["weight_decay"] >= 0:
+        bad("weight_decay", "must be >= 0")
+    if "momentum" in group and not 0 <= group["momentum"] < 1:
+        bad("momentum", "must be in [0, 1)")
+    if "trust_coefficient" in group and not group["trust_coefficient"] > 0:
+        bad("trust_coefficient", "must be > 0")
+    if "betas" in group:
+        betas = group["betas"]
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            bad("betas", "must be two numbers in [0, 1)")
+    if group.get("weight_norm_clamp") is not None:
+        clamp = group["weight_norm_clamp"]
+        if len(clamp) != 2 or not 0 <= clamp[0] <= clamp[1]:
+            bad("weight_norm_clamp", "must be (low, high) with 0 <= low <= high")
+    if not isinstance(group["trust_ratio"], bool):
+        raise TypeError(f"{name}: trust_ratio={group['trust_ratio']!r} must be True or False")
+
+
+class _LayerwiseOptimizer(Optimizer):
+    """Shared plumbing: validation of every param group, closure, per-parameter loop."""
+
+    def add_param_group(self, param_group: Dict) -> None:
+        # Validate before torch stores the group, with the defaults the group will inherit.
+        merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        _check_group(type(self).__name__, merged)
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """One update of every parameter that has a gradient; returns closure()'s loss if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                self._update(p, p.grad, self.state[p], group)
+        return loss
+
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, state: Dict, group: Dict) -> None:
+        raise NotImplementedError
+
+
+class LARS(_LayerwiseOptimizer):
+    """LARS: momentum SGD with a layer-wise learning rate (You, Gitman, Ginsburg 2017, Algorithm 1).
+
+    For every parameter tensor w with gradient g, at each step:
+
+        local_lr = trust_coefficient * ||w|| / (||g|| + weight_decay * ||w|| + eps)
+                   (1 when ||w|| or ||g|| is 0, or when the group has trust_ratio=False)
+        v = momentum * v + lr * local_lr * (g + weight_decay * w)         (v starts at 0)
+        w = w - v
+
+    As in the paper, the global lr sits inside the momentum buffer (torch's SGD puts it outside:
+    the two differ only while lr changes, e.g. during warm-up). The paper has no eps; it only
+    guards the division.
+
+    Args:
+        params: parameters or param groups; groups may set any argument below, and trust_ratio.
+        lr: global learning rate (the paper's gamma). Default 1.0.
+        momentum: in [0, 1). Default 0.9.
+        weight_decay: L2 coefficient beta, >= 0. Default 0.
+        trust_coefficient: eta, > 0. Default 0.001 (the paper's value).
+        eps: > 0, added to the denominator of local_lr. Default 1e-8.
+    """
+
+    def __init__(self, params, lr: float = 1.0, momentum: float = 0.9, weight_decay: float = 0.0,
+                 trust_coefficient: float = 0.001, eps: float = 1e-8) -> None:
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                        trust_coefficient=trust_coefficient, eps=eps, trust_ratio=True)
+        super().__init__(params, defaults)
+
+    def _update(self, p, grad, state, group) -> None:
+        wd = group["weight_decay"]
+        update = grad.add(p, alpha=wd) if wd else grad.clone()
+        if group["trust_ratio"]:
+            w_norm, g_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(grad)
+            ok = (w_norm > 0) & (g_norm > 0)  # else there is no scale to compare the step with
+            local_lr = group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm + group["eps"])
+            update.mul_(torch.where(ok, local_lr, 1.0))
+        update.mul_(group["lr"])
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buf = state["momentum_buffer"]
+        buf.mul_(group["momentum"]).add_(update)
+        p.sub_(buf)
+
+
+class LAMB(_LayerwiseOptimizer):
+    """LAMB: Adam with a layer-wise trust ratio (You et al. 2019, "Large Batch Optimization for
+    Deep Learning: Training BERT in 76 minutes", Algorithm 2).
+
+    For every parameter tensor w with gradient g, at step t = 1, 2, ...:
+
+        m = beta1 * m + (1 - beta1) * g          v = beta2 * v + (1 - beta2) * g * g
+        m_hat = m / (1 - beta1^t)                v_hat = v / (1 - beta2^t)      (bias_correction)
+        r = m_hat / (sqrt(v_hat) + eps) + weight_decay * w
+        w = w - lr * phi(||w||) / ||r|| * r
+
+    phi is the identity, or clamp(., low, high) with weight_norm_clamp=(low, high). The ratio
+    phi(||w||) / ||r|| is 1 when phi(||w||) or ||r|| is 0 (a zero-initialised tensor still moves) and when
+    the group has trust_ratio=False (then the step is Adam's with decoupled weight decay).
+
+    Args:
+        params: parameters or param groups; groups may set any argument below, and trust_ratio.
+        lr: learning rate eta, >= 0. Default 1e-3.
+        betas: (beta1, beta2), each in [0, 1). Default (0.9, 0.999).
+        eps: > 0. Default 1e-6 (the value of the paper's experiments).
+        weight_decay: lambda, >= 0. Default 0.01.
+        bias_correction: divide the moments by (1 - beta^t), as Algorithm 2 does. Default True.
+        weight_norm_clamp: (low, high) bounds of phi, or None for the identity. Default None.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.01, bias_correction: bool = True,
+                 weight_norm_clamp: Optional[Tuple[float, float]] = None) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, weight_norm_clamp=weight_norm_clamp, trust_ratio=True)
+        super().__init__(params, defaults)
+
+    def _update(self, p, grad, state, group) -> None:
+        beta1, beta2 = group["betas"]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+        state["step"] += 1
+        m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        m.mul_(beta1).add_(grad, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        c1, c2 = (1 - beta1 ** t, 1 - beta2 ** t) if group["bias_correction"] else (1.0, 1.0)
+        r = (m / c1) / ((v / c2).sqrt() + group["eps"])
+        if group["weight_decay"]:
+            r.add_(p, alpha=group["weight_decay"])
+        if group["trust_ratio"]:
+            w_norm = torch.linalg.vector_norm(p)
+            if group["weight_norm_clamp"] is not None:
+                w_norm = w_norm.clamp(*group["weight_norm_clamp"])
+            r_norm = torch.linalg.vector_norm(r)
+            ok = (w_norm > 0) & (r_norm > 0)  # else there is no scale to compare the step with
+            r.mul_(torch.where(ok, w_norm / torch.where(ok, r_norm, 1.0), 1.0))
+        p.sub_(r * group["lr"])
+
+
+__all__ = ["LARS", "LAMB", "exclude_bias_and_norm"]

@@ -1,0 +1,242 @@
+"""The gradient reducer: flat bucket buffers, per-parameter hooks, async launch, end-of-backward finalize.
+
+One iteration, as the code runs it:
+  1. `prepare_for_backward()` (called by the wrapper after a forward that will sync) resets the
+     per-iteration state.
+  2. Backward accumulates each parameter's gradient; its post-accumulate hook copies it into the
+     bucket (scaled by 1/world_size on the default path) and counts the bucket down.
+  3. When a bucket is complete *and all buckets before it have been launched*, its comm hook
+     starts an async all-reduce. Launching strictly in bucket order keeps every rank issuing the
+     same collectives in the same order, whatever order their gradients arrive in.
+  4. The autograd engine's end-of-backward callback (queued by the first hook) launches what is
+     left, waits for every bucket, and writes the averaged gradients back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from . import buckets as planning
+from .hooks import GradBucket, allreduce_sum_hook
+
+
+@dataclass
+class Bucket:
+    """A flat buffer holding some parameters' gradients back to back, and its per-iteration state."""
+
+    index: int
+    param_indices: list[int]      # into Reducer.params, in buffer order
+    offsets: list[int]            # element offset of each gradient in `buffer`
+    buffer: torch.Tensor
+    views: list[torch.Tensor]     # buffer slices shaped like the parameters
+    pending: int = 0              # gradients still to arrive this iteration
+    future: torch.futures.Future | None = field(default=None, repr=False)
+
+
+class Reducer:
+    """Averages gradients over `process_group` during backward, bucket by bucket.
+
+    Args:
+        params: the parameters to reduce (unique, requires_grad).
+        names: their names, for error messages.
+        process_group: the group to average over.
+        bucket_cap_mb: DDP's bucket_cap_mb (None: 25 MiB with a 1 MiB first bucket).
+        find_unused_parameters: reduce parameters that got no gradient as zeros.
+        gradient_as_bucket_view: make each `.grad` a view into its bucket (no copy back).
+        static_graph: as DDP's; here it only selects the same bucket policy as the default.
+    """
+
+    def __init__(self, params, names, process_group, bucket_cap_mb=None, find_unused_parameters=False,
+                 gradient_as_bucket_view=False, static_graph=False):
+        self.params, self.names, self.group = list(params), list(names), process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.bucket_cap_mb, self.find_unused = bucket_cap_mb, find_unused_parameters
+        self.as_view, self.static_graph = gradient_as_bucket_view, static_graph
+        self.comm_hook, self.comm_state, self.custom_hook = allreduce_sum_hook, process_group, False
+        self.timeline = None  # a minidp.timeline.Timeline while recording, else None (zero cost)
+        self.expect_hooks = False  # True between a syncing forward and the end of its backward
+        self.ready = [False] * len(self.params)
+        self.ready_order: list[int] = []  # first synced iteration: the order gradients arrived in
+        self.rebuilt = not (static_graph or not find_unused_parameters)  # DDP rebuilds only then
+        self.next_bucket, self.callback_queued, self.error = 0, False, None
+        sizes = [p.numel() * p.element_size() for p in self.params]
+        keys = [(p.dtype, p.device) for p in self.params]
+        limits = planning.bucket_limits(bucket_cap_mb, True, find_unused_parameters, static_graph)
+        self._build(planning.plan_initial(sizes, keys, limits))
+        self.handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                        for i, p in enumerate(self.params)]
+
+    # ---- bucket layout -------------------------------------------------------------------------
+
+    def _build(self, plan: list[list[int]]) -> None:
+        """Allocate one flat buffer per planned bucket (once per layout, never per step)."""
+        self.buckets, self.bucket_of, self.slot_of = [], [None] * len(self.params), [0] * len(self.params)
+        for b, indices in enumerate(plan):
+            first = self.params[indices[0]]
+            offsets, total = [], 0
+            for i in indices:
+                offsets.append(total)
+                total += self.params[i].numel()
+            buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+            views = [buffer[o:o + self.params[i].numel()].view_as(self.params[i])
+                     for i, o in zip(indices, offsets)]
+            bucket = Bucket(b, list(indices), offsets, buffer, views)
+            for slot, i in enumerate(indices):
+                self.bucket_of[i], self.slot_of[i] = bucket, slot
+                grad = self.params[i].grad
+                if self.as_view and grad is not None:  # adopt the existing gradient, as DDP does
+                    views[slot].copy_(grad)
+                    self.params[i].grad = views[slot]
+            self.buckets.append(bucket)
+
+    def bucket_plan(self) -> list[list[str]]:
+        """The current layout by parameter name, in launch order (for reading and tests)."""
+        return [[self.names[i] for i in b.param_indices] for b in self.buckets]
+
+    def maybe_rebuild(self) -> bool:
+        """After the first synced iteration, re-plan buckets in gradient-ready order (once)."""
+        if self.rebuilt or not self.ready_order:
+            return False
+        order = torch.tensor(self.ready_order, dtype=torch.int64)
+        if len(self.ready_order) != len(self.params):
+            raise RuntimeError(f"minidp: cannot rebuild buckets: {len(self.ready_order)} of "
+                               f"{len(self.params)} gradients were recorded in the first iteration")
+        # Ranks meet here: all ranks adopt rank 0's order, so their layouts agree.
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        order = order.to(self.buckets[0].buffer.device)
+        dist.broadcast(order, src=src, group=self.group)
+        sizes = [p.numel() * p.element_size() for p in self.params]
+        keys = [(p.dtype, p.device) for p in self.params]
+        limits = planning.bucket_limits(self.bucket_cap_mb, False, self.find_unused, self.static_graph)
+        self._build(planning.plan_rebuilt(sizes, keys, limits, order.tolist()))
+        self.rebuilt, self.ready_order = True, []
+        return True
+
+    # ---- one iteration ------------------------------------------------------------------------
+
+    def raise_if_failed(self) -> None:
+        """Re-raise a previous iteration's failure: its gradients were never fully reduced."""
+        if self.error:
+            raise RuntimeError(self.error)
+
+    def prepare_for_backward(self) -> None:
+        """Arm the hooks for the next backward (called after a forward that syncs)."""
+        self.ready = [False] * len(self.params)
+        for bucket in self.buckets:
+            bucket.pending, bucket.future = len(bucket.param_indices), None
+        self.next_bucket, self.expect_hooks = 0, True
+
+    def _make_hook(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            if self.expect_hooks:  # no_sync(), or a backward without a wrapped forward: just accumulate
+                self._grad_ready(index, param)
+        return hook
+
+    def _grad_ready(self, index: int, param: torch.Tensor) -> None:
+        if self.ready[index]:
+            raise RuntimeError(f"minidp: parameter {self.names[index]!r} got a gradient twice in one "
+                               "backward; each parameter may be reduced once per iteration")
+        if not self.callback_queued:
+            Variable._execution_engine.queue_callback(self._finalize)  # runs at the end of backward
+            self.callback_queued = True
+        self.ready[index] = True
+        if not self.rebuilt:
+            self.ready_order.append(index)
+        self._copy_into_bucket(index, param)
+        if self.timeline is not None:
+            self.timeline.record("grad_ready", param=self.names[index], bucket=self.bucket_of[index].index)
+        bucket = self.bucket_of[index]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready_buckets()
+
+    def _copy_into_bucket(self, index: int, param: torch.Tensor) -> None:
+        grad, view = param.grad, self.bucket_of[index].views[self.slot_of[index]]
+        if grad.is_sparse:
+            raise RuntimeError(f"minidp: parameter {self.names[index]!r} has a sparse gradient; "
+                               "only dense gradients are supported")
+        aliased = grad.data_ptr() == view.data_ptr()
+        if not self.custom_hook:
+            # DDP's numerics: scale while copying (multiply by the reciprocal), or divide in place
+            # when the gradient already lives in the bucket.
+            if aliased:
+                view.div_(self.world_size)
+            else:
+                torch.mul(grad, 1.0 / self.world_size, out=view)
+        elif not aliased:
+            view.copy_(grad)
+        if self.as_view and not aliased:
+            param.grad = view
+
+    def _launch_ready_buckets(self) -> None:
+        """Launch complete buckets strictly in index order: every rank issues the same sequence."""
+        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
+            bucket = self.buckets[self.next_bucket]
+            params = [self.params[i] for i in bucket.param_indices]
+            grad_bucket = GradBucket(bucket.index, bucket.buffer, params, bucket.offsets,
+                                     is_last=bucket.index == len(self.buckets) - 1)
+            if self.timeline is not None:
+                self.timeline.record("launch", bucket=bucket.index)
+            bucket.future = self.comm_hook(self.comm_state, grad_bucket)  # ranks meet here (async)
+            if self.timeline is not None:
+                self.timeline.watch(bucket.future, bucket=bucket.index)
+            self.next_bucket += 1
+
+    def _finalize(self) -> None:
+        """End of backward: reduce what is left, wait for every bucket, write gradients back."""
+        self.callback_queued, self.expect_hooks = False, False
+        if self.timeline is not None:
+            self.timeline.record("backward_end")
+        missing = [i for i, r in enumerate(self.ready) if not r]
+        if missing and not self.find_unused:
+            self._fail_unused(missing)
+        for i in missing:  # find_unused_parameters: this rank contributes zeros for them
+            self.bucket_of[i].views[self.slot_of[i]].zero_()
+            self.bucket_of[i].pending -= 1
+        self._launch_ready_buckets()
+        globally_unused = self._globally_unused() if self.find_unused else set()
+        for bucket in self.buckets:
+            result = bucket.future.wait()
+            self._write_back(bucket, result, globally_unused)
+        if self.timeline is not None:
+            self.timeline.record("finalize_end")
+
+    def _globally_unused(self) -> set:
+        """Indices of parameters no rank produced a gradient for: their .grad stays untouched."""
+        used = torch.tensor(self.ready, dtype=torch.int32, device=self.buckets[0].buffer.device)
+        dist.all_reduce(used, group=self.group)  # ranks meet here
+        return {i for i, count in enumerate(used.tolist()) if count == 0}
+
+    def _write_back(self, bucket: Bucket, result: torch.Tensor, skip: set) -> None:
+        for slot, i in enumerate(bucket.param_indices):
+            if i in skip:
+                continue
+            param, view = self.params[i], bucket.views[slot]
+            out = view if result is bucket.buffer else result[bucket.offsets[slot]:][:param.numel()].view_as(param)
+            if self.as_view:
+                if out is not view:
+                    view.copy_(out)
+                if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                    param.grad = view
+            elif param.grad is None:
+                param.grad = out.clone()
+            else:
+                param.grad.copy_(out)
+
+    def _fail_unused(self, missing: list[int]) -> None:
+        for bucket in self.buckets[:self.next_bucket]:  # let launched collectives finish cleanly
+            bucket.future.wait()
+        names = [self.names[i] for i in missing]
+        self.error = (
+            f"minidp.DDP: {len(names)} parameter(s) got no gradient in the last backward: {names}. "
+            "Every parameter must take part in the loss each iteration; otherwise pass "
+            "find_unused_parameters=True (unused parameters are then reduced as zeros).")
+        raise RuntimeError(self.error)
+
+    def remove_hooks(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []

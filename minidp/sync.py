@@ -1,0 +1,79 @@
+"""Collectives on many tensors at once: check that ranks agree, broadcast state in flat chunks."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
+
+
+def group_rank0(group) -> int:
+    """The global rank of the group's rank 0: the source of every broadcast."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], group=None,
+                        chunk_bytes: int = BROADCAST_CHUNK_BYTES) -> None:
+    """Overwrite `tensors` on every rank with rank 0's values, a few flat collectives in all.
+
+    Consecutive tensors of one dtype and device are packed into a flat chunk of up to
+    `chunk_bytes`, broadcast once, and unpacked; so 200 small tensors cost one collective.
+    """
+    src = group_rank0(group)
+    for chunk in _chunks(tensors, chunk_bytes):
+        flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+        dist.broadcast(flat, src=src, group=group)  # ranks meet here
+        offset = 0
+        with torch.no_grad():
+            for t in chunk:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def _chunks(tensors, chunk_bytes):
+    chunk, size, key = [], 0, None
+    for t in tensors:
+        t_key, t_size = (t.dtype, t.device), t.numel() * t.element_size()
+        if chunk and (t_key != key or size + t_size > chunk_bytes):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(t)
+        size += t_size
+        key = t_key
+    if chunk:
+        yield chunk
+
+
+def check_same_across_ranks(what: str, records: list, group=None) -> None:
+    """Raise on every rank, naming the first differing entry and the ranks, if ranks disagree.
+
+    Args:
+        what: a word for the entries in error messages, e.g. "parameter".
+        records: this rank's entries, each a picklable value (e.g. (name, shape, dtype)).
+    """
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, records, group=group)  # ranks meet here
+    reference = gathered[0]
+    differing = [r for r, rec in enumerate(gathered) if rec != reference]
+    if not differing:
+        return
+    first = min(_first_difference(reference, gathered[r]) for r in differing)
+    ranks = [r for r in differing if _first_difference(reference, gathered[r]) == first]
+
+    def show(records_of_rank):
+        return records_of_rank[first] if first < len(records_of_rank) else "(none: fewer entries)"
+
+    lines = [f"  rank 0: {show(reference)}"] + [f"  rank {r}: {show(gathered[r])}" for r in ranks]
+    counts = sorted({len(rec) for rec in gathered})
+    raise RuntimeError(
+        f"minidp.DDP: ranks {ranks} differ from rank 0 at {what} #{first} "
+        f"(entry counts seen: {counts}); every rank must wrap the same model:\n" + "\n".join(lines))
+
+
+def _first_difference(a: list, b: list) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
