@@ -1,0 +1,193 @@
+"""minidp.optim.LARS and LAMB against the published formulas, written out plainly in float64."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from minidp.optim import LAMB, LARS, exclude_bias_and_norm
+
+F64 = torch.float64
+TOL = 1e-12
+STEPS = 6
+LRS = [0.5, 0.5, 0.8, 1.2, 1.2, 0.3]  # lr changes mid-way: LARS keeps lr inside its momentum buffer
+
+
+def lars_reference(w, grads, lrs, momentum, weight_decay, eta, eps, trust_ratio):
+    """You, Gitman, Ginsburg 2017, Algorithm 1 (plus eps, and local lr 1 when a norm is 0)."""
+    v = torch.zeros_like(w)
+    for g, lr in zip(grads, lrs):
+        w_norm, g_norm = w.norm().item(), g.norm().item()
+        local_lr = 1.0
+        if trust_ratio and w_norm > 0 and g_norm > 0:
+            local_lr = eta * w_norm / (g_norm + weight_decay * w_norm + eps)
+        v = momentum * v + lr * local_lr * (g + weight_decay * w)
+        w = w - v
+    return w
+
+
+def lamb_reference(w, grads, lrs, betas, eps, weight_decay, trust_ratio, clamp=None, bias_correction=True):
+    """You et al. 2019, Algorithm 2 (ratio 1 when a norm is 0)."""
+    (b1, b2), m, v = betas, torch.zeros_like(w), torch.zeros_like(w)
+    for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        m_hat, v_hat = (m / (1 - b1 ** t), v / (1 - b2 ** t)) if bias_correction else (m, v)
+        r = m_hat / (v_hat.sqrt() + eps) + weight_decay * w
+        phi = w.norm().item() if clamp is None else min(max(w.norm().item(), clamp[0]), clamp[1])
+        ratio = phi / r.norm().item() if trust_ratio and phi > 0 and r.norm().item() > 0 else 1.0
+        w = w - lr * ratio * r
+    return w
+
+
+def _problem(seed):
+    """Parameters (one of them all zeros) and their gradients for each step (one of them zero)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(4, 3, generator=gen, dtype=F64), torch.zeros(2, 2, dtype=F64),
+              torch.randn(3, generator=gen, dtype=F64), torch.randn(5, generator=gen, dtype=F64)]
+    grads = [[torch.randn(p.shape, generator=gen, dtype=F64) for p in params] for _ in range(STEPS)]
+    grads[2][0].zero_()
+    return params, grads
+
+
+def _run(make_optimizer, params, grads):
+    params = [nn.Parameter(p.clone()) for p in params]
+    optimizer = make_optimizer([{"params": params[:2]},
+                                {"params": params[2:], "weight_decay": 0.0, "trust_ratio": False}])
+    for step_grads, lr in zip(grads, LRS):
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+    return [p.detach() for p in params]
+
+
+def _max_diff(ours, reference):
+    return max((a - b).abs().max().item() for a, b in zip(ours, reference))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lars_matches_paper(seed):
+    params, grads = _problem(seed)
+    kw = dict(momentum=0.9, weight_decay=0.01, trust_coefficient=0.02, eps=1e-9)
+    ours = _run(lambda groups: LARS(groups, **kw), params, grads)
+    reference = [
+        lars_reference(p, [g[i] for g in grads], LRS, kw["momentum"], kw["weight_decay"] if i < 2 else 0.0,
+                       kw["trust_coefficient"], kw["eps"], trust_ratio=i < 2)
+        for i, p in enumerate(params)]
+    assert _max_diff(ours, reference) <= TOL
+    assert not torch.equal(ours[1], params[1])  # the all-zero tensor moved (local lr 1)
+
+
+@pytest.mark.parametrize("clamp, bias_correction", [(None, True), ((0.5, 2.0), True), (None, False)])
+def test_lamb_matches_paper(clamp, bias_correction):
+    params, grads = _problem(2)
+    kw = dict(betas=(0.8, 0.95), eps=1e-6, weight_decay=0.02)
+    ours = _run(lambda groups: LAMB(groups, weight_norm_clamp=clamp, bias_correction=bias_correction, **kw),
+                params, grads)
+    reference = [
+        lamb_reference(p, [g[i] for g in grads], LRS, kw["betas"], kw["eps"], kw["weight_decay"] if i < 2 else 0.0,
+                       trust_ratio=i < 2, clamp=clamp, bias_correction=bias_correction)
+        for i, p in enumerate(params)]
+    assert _max_diff(ours, reference) <= TOL
+
+
+def _steps_like_torch(ours, theirs, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    a = nn.Parameter(torch.randn(6, 4, generator=gen, dtype=F64))
+    b = nn.Parameter(a.detach().clone())
+    opt_a, opt_b = ours([a]), theirs([b])
+    for _ in range(STEPS):
+        a.grad = torch.randn(a.shape, generator=gen, dtype=F64)
+        b.grad = a.grad.clone()
+        opt_a.step(), opt_b.step()
+    return (a - b).abs().max().item()
+
+
+def test_without_trust_ratio_they_are_torch_sgd_and_adamw():
+    # At a constant lr, LARS without trust ratio is momentum SGD with L2 decay, LAMB is AdamW.
+    lars = lambda p: LARS([{"params": p, "trust_ratio": False}], lr=0.1, momentum=0.9, weight_decay=0.01)  # noqa: E731
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01)  # noqa: E731
+    lamb = lambda p: LAMB([{"params": p, "trust_ratio": False}], lr=0.01, eps=1e-8, weight_decay=0.1)  # noqa: E731
+    adamw = lambda p: torch.optim.AdamW(p, lr=0.01, eps=1e-8, weight_decay=0.1)  # noqa: E731
+    assert _steps_like_torch(lars, sgd) <= TOL
+    assert _steps_like_torch(lamb, adamw) <= TOL
+
+
+def _train(make_optimizer, steps=60):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=gen)
+    y = torch.sin(x @ torch.randn(8, 1, generator=gen))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.Tanh(), nn.Linear(32, 1))
+    optimizer = make_optimizer(exclude_bias_and_norm(model))
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda groups: LARS(groups, lr=0.5, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.02),
+    lambda groups: LAMB(groups, lr=0.05, weight_decay=0.01),
+], ids=["LARS", "LAMB"])
+def test_trains_a_small_model(make_optimizer):
+    losses = _train(make_optimizer)
+    assert losses[-1] < 0.3 * losses[0], losses[::10]
+
+
+def test_closure_and_state_dict_round_trip():
+    params, grads = _problem(4)
+    p = nn.Parameter(params[0].clone())
+    opt = LAMB([p], lr=0.1)
+    p.grad = grads[0][0].clone()
+    assert opt.step(lambda: 3.0) == 3.0
+    clone = copy.deepcopy(p)
+    opt2 = LAMB([clone], lr=0.1)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))  # as after torch.save/load: no shared tensors
+    for q, o in ((p, opt), (clone, opt2)):
+        q.grad = grads[1][0].clone()
+        o.step()
+    assert torch.equal(p, clone)
+
+
+def test_exclude_bias_and_norm():
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2, bias=False), nn.LayerNorm(2))
+    regular, excluded = exclude_bias_and_norm(model)
+    assert regular == {"params": [model[0].weight, model[2].weight]}
+    assert excluded["params"] == [model[0].bias, model[1].weight, model[1].bias, model[3].weight, model[3].bias]
+    assert excluded["weight_decay"] == 0.0 and excluded["trust_ratio"] is False
+    assert len(exclude_bias_and_norm(nn.Linear(2, 2, bias=False))) == 1
+    with pytest.raises(TypeError, match="expects an nn.Module, got list"):
+        exclude_bias_and_norm([nn.Parameter(torch.ones(1))])
+
+
+@pytest.mark.parametrize("cls, kwargs, match", [
+    (LARS, dict(lr=-0.1), r"LARS: lr=-0.1 must be >= 0"),
+    (LARS, dict(momentum=1.0), r"LARS: momentum=1.0 must be in \[0, 1\)"),
+    (LARS, dict(momentum=-0.5), r"LARS: momentum=-0.5 must be in \[0, 1\)"),
+    (LARS, dict(eps=0.0), r"LARS: eps=0.0 must be > 0"),
+    (LARS, dict(weight_decay=-1e-4), r"LARS: weight_decay=-0.0001 must be >= 0"),
+    (LARS, dict(trust_coefficient=0), r"LARS: trust_coefficient=0 must be > 0"),
+    (LAMB, dict(lr=-1), r"LAMB: lr=-1 must be >= 0"),
+    (LAMB, dict(eps=-1e-6), r"LAMB: eps=-1e-06 must be > 0"),
+    (LAMB, dict(betas=(0.9, 1.0)), r"LAMB: betas=\(0.9, 1.0\) must be two numbers in \[0, 1\)"),
+    (LAMB, dict(betas=(-0.1, 0.9)), r"LAMB: betas=\(-0.1, 0.9\) must be two numbers in \[0, 1\)"),
+    (LAMB, dict(weight_decay=-0.01), r"LAMB: weight_decay=-0.01 must be >= 0"),
+    (LAMB, dict(weight_norm_clamp=(2.0, 1.0)), r"weight_norm_clamp=\(2.0, 1.0\) must be \(low, high\)"),
+])
+def test_bad_input(cls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cls([nn.Parameter(torch.ones(2))], **kwargs)
+
+
+def test_bad_param_group():
+    with pytest.raises(ValueError, match=r"LARS: momentum=2 must be in \[0, 1\)"):
+        LARS([{"params": [nn.Parameter(torch.ones(2))], "momentum": 2}])
+    with pytest.raises(TypeError, match=r"LAMB: trust_ratio='no' must be True or False"):
+        LAMB([{"params": [nn.Parameter(torch.ones(2))], "trust_ratio": "no"}])
