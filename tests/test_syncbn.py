@@ -152,8 +152,9 @@ def _gpu_worker():
     lo, hi = sum(sizes[:rank]), sum(sizes[:rank + 1])
     diffs = {}
     for _ in range(2):
-        x = torch.randn(sum(sizes), C, 4, 3, generator=gen, dtype=F64)[lo:hi].to(device)
-        g = torch.randn(x.shape, generator=gen, dtype=F64).to(device)
+        x = torch.randn(sum(sizes), C, 4, 3, generator=gen, dtype=F64)
+        g = torch.randn(x.shape, generator=gen, dtype=F64)
+        x, g = x[lo:hi].to(device), g[lo:hi].to(device)
         for name, m in (("ours", ours), ("theirs", theirs)):
             xi = x.clone().requires_grad_()
             y = m(xi)
@@ -218,9 +219,43 @@ def test_bad_input():
         convert_sync_batchnorm(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="expects an nn.Module, got list"):
         convert_sync_batchnorm([nn.BatchNorm1d(2)])
+    with pytest.raises(ValueError, match=r"eps=0.0 must be > 0"):
+        SyncBatchNorm(3, eps=0.0)
+    with pytest.raises(ValueError, match=r"momentum=1.5 must be in \[0, 1\], or None"):
+        SyncBatchNorm(3, momentum=1.5)
+    with pytest.raises(ValueError, match=r"num_features=0 must be an int >= 1"):
+        SyncBatchNorm(0)
     with pytest.raises(ValueError, match=r"at least 2 dims \(N, C, ...\), got shape \(3,\)"):
         SyncBatchNorm(3)(torch.randn(3))
     with pytest.raises(ValueError, match="got input with 4 channels"):
         SyncBatchNorm(3)(torch.randn(2, 4))
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         syncbn._SyncBatchNormFn.apply(torch.randn(1, 3), None, None, None, None, 1e-5, 0.1, None)
+
+
+def _small_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 1)).double()
+
+
+def _ddp_worker():
+    """minidp.DDP + SyncBatchNorm + LARS on 2 x 4 samples against one process on the 8 samples."""
+    from minidp.optim import LARS, exclude_bias_and_norm
+
+    rank, ref = dist.get_rank(), _small_model()
+    ours = minidp.DDP(convert_sync_batchnorm(_small_model()))
+    opts = [LARS(exclude_bias_and_norm(m), lr=0.5, trust_coefficient=0.02, weight_decay=1e-3)
+            for m in (ref, ours.module)]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(8, 4, generator=gen, dtype=F64), torch.randn(8, 1, generator=gen, dtype=F64)
+        for model, opt, sl in ((ref, opts[0], slice(0, 8)), (ours, opts[1], slice(4 * rank, 4 * rank + 4))):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x[sl]), y[sl]).backward()  # DDP's mean of means = the full mean
+            opt.step()
+    pairs = zip(ref.state_dict().values(), ours.module.state_dict().values())
+    return max(_max_diff(a.double(), b.double()) for a, b in pairs)
+
+
+def test_with_ddp_and_lars_equals_one_process():
+    assert max(run_ranks(_ddp_worker, 2)) <= TOL
