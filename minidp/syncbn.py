@@ -142,6 +142,11 @@ class SyncBatchNorm(_BatchNorm):
                          device=device, dtype=dtype, bias=bias)
         self.process_group = process_group
 
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module, process_group=None) -> nn.Module:
+        """torch's spelling of minidp.convert_sync_batchnorm(module, process_group)."""
+        return convert_sync_batchnorm(module, process_group)
+
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() < 2:
             raise ValueError(f"SyncBatchNorm expects input of at least 2 dims (N, C, ...), got shape {tuple(x.shape)}")

@@ -210,7 +210,7 @@ def test_convert_shares_parameters_and_buffers():
     assert new.momentum is None and not new.training and converted[2][1].weight is None
     assert list(converted.state_dict()) == keys
     layer = nn.BatchNorm3d(2, eps=1e-3)
-    single = convert_sync_batchnorm(layer, process_group=None)
+    single = SyncBatchNorm.convert_sync_batchnorm(layer, process_group=None)  # torch's spelling
     assert isinstance(single, SyncBatchNorm) and single is not layer and single.eps == 1e-3
 
 
