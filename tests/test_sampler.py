@@ -122,7 +122,7 @@ def test_same_seed_and_epoch_give_one_permutation_across_ranks():
 ])
 def test_resume_yields_exactly_the_rest_of_the_epoch(n, k, rank, shuffle, drop_last, pad):
     kw = dict(num_replicas=k, rank=rank, shuffle=shuffle, seed=3, drop_last=drop_last, pad=pad)
-    full = _mine(n, epoch=2, k=k, r=rank, shuffle=shuffle, seed=3, drop_last=drop_last, pad=pad).indices()
+    full = DistributedSampler(range(n), **kw).indices(epoch=2)
     for consumed in range(len(full) + 1):
         s = DistributedSampler(range(n), **kw)
         s.set_epoch(2)
@@ -214,6 +214,10 @@ def test_epoch_mode_auto_advances_every_pass():
     assert s.epoch == 2
     s.set_epoch(10)  # still jumps explicitly
     assert list(s) == s.indices(10) and list(s) == s.indices(11)
+    # A DataLoader calls iter(sampler) once per `for batch in loader`: one pass, one epoch.
+    s = DistributedSampler(range(40), 2, 1, seed=5, epoch_mode="auto")
+    loader = tud.DataLoader(range(40), batch_size=3, sampler=s)
+    assert [torch.cat(list(loader)).tolist() for _ in range(3)] == [s.indices(e) for e in range(3)]
 
 
 def test_epoch_mode_auto_resumes_a_finished_epoch_at_the_next():
