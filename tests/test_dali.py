@@ -116,7 +116,9 @@ def test_shard_shuffle_is_disjoint_and_covers(folder):
 
 
 def test_global_shuffle_reshuffles_every_epoch_across_ranks(folder):
-    got = [[_flat(b) for b in _epochs(_loader(folder, r, shuffle="global", seed=7), 3)] for r in (0, 1)]
+    loaders = [_loader(folder, r, shuffle="global", seed=7) for r in (0, 1)]
+    got = [[_flat(b) for b in _epochs(loader, 3)] for loader in loaders]
+    assert [loader.shard for loader in loaders] == [0, 1]  # DALI keeps the shard index, reshuffles its content
     for e in range(3):
         assert sorted(got[0][e] + got[1][e]) == list(range(N))  # the same permutation on both ranks
         assert [len(got[0][e]), len(got[1][e])] == [12, 13]  # shard sizes stay with the rank

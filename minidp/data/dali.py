@@ -7,26 +7,29 @@ Sharding, as DALI's fn.readers.file does it (checked in tests/test_dali.py):
     [N * s // world_size, N * (s + 1) // world_size) of the (optionally pre-shuffled) file list, so
     shard sizes differ by at most one. Each epoch the ranks' shards are disjoint and together cover
     the folder: nothing is padded across ranks, unlike DistributedSampler.
-  * A rank reads shard `rank` in epoch 0 and, unless stick_to_shard=True, moves to the next shard
-    every epoch: in epoch e it reads shard (rank + e) % world_size. So over world_size epochs every
-    rank sees every file; with stick_to_shard=True a rank only ever sees its own shard (less to
-    cache, but a rank's data never changes).
+  * With shuffle "shard" or "none", a rank reads shard `rank` in epoch 0 and, unless
+    stick_to_shard=True, moves to the next shard every epoch: in epoch e it reads shard
+    (rank + e) % world_size. So over world_size epochs every rank sees every file; with
+    stick_to_shard=True a rank only ever sees its own shard (less to cache, but its data never
+    changes). With shuffle "global" a rank keeps shard index `rank` (DALI sticks to it by itself)
+    and the shard's content changes every epoch instead; `loader.shard` says which applies.
   * The reader always pads each shard (pad_last_batch=True): without it DALI fills a short last
     batch with the next files and epochs drift off the shard boundaries.
   * Every rank yields the same number of batches per epoch (DDP needs ranks in lockstep); the last
     one depends on `last_batch`:
       "partial" (default): ceil(ceil(N / world_size) / batch_size) batches; the last holds what is
           left of the shard, possibly nothing at all (a batch of 0 images on the smaller shards):
-          every file once, no duplicates. Fit for evaluation with summed metrics.
+          every file once, no duplicates. Fit for evaluation with summed metrics; for training
+          prefer "drop" or "fill" (a mean loss over 0 images is NaN).
       "fill": as many batches, all full; the last is padded by repeating the shard's last file.
       "drop": (N // world_size) // batch_size full batches; the rest of the shard is skipped this
           epoch. (Done here over DALI's PARTIAL policy: DALI's own DROP lets the padded remainder
           leak into the next epoch.)
   * Shuffling: "global" (default) reshuffles the whole file list every epoch with the same seed on
     every rank (DALI's shuffle_after_epoch), then cuts it into shards, as DistributedSampler does;
-    stick_to_shard does not apply. "shard" shuffles the list once (DALI's fixed seed, the same on
-    every rank) and then shuffles within each shard through a buffer (random_shuffle); "none"
-    keeps the sorted order.
+    shard sizes stay with the ranks, and stick_to_shard=True is refused as meaningless. "shard"
+    shuffles the list once (DALI's fixed seed, the same on every rank), then shuffles within each
+    shard through a buffer (random_shuffle); "none" keeps the sorted order.
 
 Labels follow torchvision's ImageFolder: class sub-folders sorted by name get labels 0..C-1 (an
 empty sub-folder still takes its label). Unlike ImageFolder, DALI reads only the files directly in
@@ -243,7 +246,9 @@ def image_folder_loader(
     iterator = plugin.DALIGenericIterator(
         pipe, ["images", "labels"], reader_name="Reader", auto_reset=True,
         last_batch_policy=plugin.LastBatchPolicy.FILL if last_batch == "fill" else plugin.LastBatchPolicy.PARTIAL)
-    return DaliImageLoader(iterator, pipe, classes, len(files), batch_size, last_batch, stick_to_shard,
+    # With shuffle="global" DALI sticks to the shard on its own (the shard's content changes instead).
+    stuck = bool(pipe.reader_meta("Reader")["stick_to_shard"])
+    return DaliImageLoader(iterator, pipe, classes, len(files), batch_size, last_batch, stuck,
                            rank, world_size, device)
 
 
