@@ -1,15 +1,37 @@
 """minidp: a from-scratch data-parallel training engine for PyTorch."""
-from . import hooks
+from . import data, hooks, lr, optim
 from .ddp import DDP, DistributedDataParallel
 from .env import DistEnv, init, shutdown
 from .launch import WorkerFailed, launch
+from .metrics import all_reduce_sums
 from .ranks import barrier, get_logger, get_rank, get_world_size, is_main, local_rank_zero_first, print0
+from .sampler import DistributedSampler
+from .syncbn import SyncBatchNorm, convert_sync_batchnorm
+from .timeline import Timeline
 
 __all__ = [
     "DDP",
+    "DistEnv",
     "DistributedDataParallel",
+    "DistributedSampler",
+    "SyncBatchNorm",
+    "Timeline",
+    "WorkerFailed",
+    "all_reduce_sums",
+    "barrier",
+    "convert_sync_batchnorm",
+    "data",
+    "get_logger",
+    "get_rank",
+    "get_world_size",
     "hooks",
-    "DistEnv", "init", "shutdown", "launch", "WorkerFailed",
-    "barrier", "get_logger", "get_rank", "get_world_size", "is_main", "local_rank_zero_first", "print0",
+    "init",
+    "is_main",
+    "launch",
+    "local_rank_zero_first",
+    "lr",
+    "optim",
+    "print0",
+    "shutdown",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,71 @@
+"""Small models for the engine tests; each builder is seeded, so every call gives the same weights."""
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                                 nn.Linear(width, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class CNNWithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.bn = nn.BatchNorm2d(6)
+        self.head = nn.Linear(6 * 4 * 4, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+class UnusedBranch(nn.Module):
+    """`rare` takes part only when asked; `never` never does (its grad must stay None, as in DDP)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.rare, self.never = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(16, 4)
+        self.head = nn.Linear(16, 4)
+        self.use_rare = False
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.head(h) + (self.rare(h) if self.use_rare else 0)
+
+
+class Tied(nn.Module):
+    """One Parameter in two modules, and used twice in forward: it must be reduced once."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(8, 8, bias=False), nn.Linear(8, 8), nn.Linear(8, 8, bias=False)
+        self.out.weight = self.inp.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(self.inp(x))))[:, :4]
+
+
+class MixedDtype(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4).double()
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)).double()).float()
+
+
+BUILDERS = {"mlp": MLP, "cnn_bn": CNNWithBatchNorm, "unused": UnusedBranch, "tied": Tied, "mixed": MixedDtype}
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return BUILDERS[name]()
+
+
+def input_shape(name: str):
+    return (3, 4, 4) if name == "cnn_bn" else (8,)

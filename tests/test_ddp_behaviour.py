@@ -1,0 +1,177 @@
+"""minidp.DDP behaviour beyond parity: bucket layout = DDP's, real overlap, errors instead of hangs."""
+import pytest
+import torch
+import torch.distributed as dist
+from models import MLP, build
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import minidp
+from harness import run_ranks
+
+# ---- bucket layout, as seen by a comm hook, equals torch DDP's ---------------------------------
+
+LAYOUT_CASES = {
+    "mlp_default_cap": (lambda: build("mlp"), {}),
+    "wide_mlp_first_bucket_1MiB": (lambda: (torch.manual_seed(0), MLP(width=600))[1], {}),
+    "wide_mlp_cap_1MiB": (lambda: (torch.manual_seed(0), MLP(width=600))[1], {"bucket_cap_mb": 1}),
+    "mlp_small_cap": (lambda: build("mlp"), {"bucket_cap_mb": 0.002}),
+    "mixed_dtypes_find_unused": (lambda: build("mixed"), {"bucket_cap_mb": 0.001, "find_unused_parameters": True}),
+    "tied": (lambda: build("tied"), {"bucket_cap_mb": 0.0001}),
+}
+
+
+def _layouts(engine, make_model, kwargs):
+    model = make_model()
+    names = {id(p): n for n, p in model.named_parameters()}
+    wrapped = engine(model, **kwargs)
+    log = []
+
+    def recording_hook(state, bucket):
+        log[-1].append([names[id(p)] for p in bucket.parameters()])
+        return default_hooks.allreduce_hook(state, bucket)
+
+    wrapped.register_comm_hook(None, recording_hook)
+    for _ in range(3):
+        log.append([])
+        x = torch.randn(4, 8)
+        wrapped(x).sum().backward()
+    return log
+
+
+def _layout_worker():
+    return {name: (_layouts(minidp.DDP, make, kw), _layouts(TorchDDP, make, kw))
+            for name, (make, kw) in LAYOUT_CASES.items()}
+
+
+# ---- overlap: proven by the order of recorded events --------------------------------------------
+
+def _overlap_worker():
+    model = minidp.DDP(build("mlp"), bucket_cap_mb=0.0005)  # three buckets once rebuilt
+    for step in range(2):  # step 0 uses one bucket (DDP's policy); step 1 the rebuilt layout
+        timeline = model.enable_timeline() if step == 1 else None
+        model(torch.randn(4, 8)).sum().backward()
+    return timeline.events, model.bucket_plan()
+
+
+# ---- errors on every rank, within the timeout ---------------------------------------------------
+
+def _error_of(fn):
+    try:
+        fn()
+    except (RuntimeError, ValueError, TypeError) as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def _unused_without_flag():
+    model = minidp.DDP(build("unused"))  # `rare` and `never` get no gradient
+    model(torch.randn(4, 8)).sum().backward()
+
+
+def _error_worker():
+    rank = dist.get_rank()
+    errors = {
+        "mismatch": _error_of(lambda: minidp.DDP(MLP(width=32 if rank == 0 else 31))),
+        "unused": _error_of(_unused_without_flag),
+        "bucket_cap_zero": _error_of(lambda: minidp.DDP(build("mlp"), bucket_cap_mb=0)),
+        "bucket_cap_negative": _error_of(lambda: minidp.DDP(build("mlp"), bucket_cap_mb=-5)),
+        "sparse": _error_of(lambda: minidp.DDP(nn.Embedding(10, 3, sparse=True))),
+        "no_trainable": _error_of(lambda: minidp.DDP(build("mlp").requires_grad_(False))),
+        "device_ids_on_cpu": _error_of(lambda: minidp.DDP(build("mlp"), device_ids=[0])),
+        "not_a_module": _error_of(lambda: minidp.DDP(lambda x: x)),
+        "unsupported_kwarg": _error_of(lambda: minidp.DDP(build("mlp"), mixed_precision="bf16")),
+    }
+    # After all those errors the group still works: a clean model trains (nothing left half-done).
+    ok = minidp.DDP(build("mlp"))
+    ok(torch.randn(2, 8)).sum().backward()
+    return errors
+
+
+def _dropin_worker():
+    """state_dict keys, accepted keywords, and a subgroup of the world."""
+    model = build("cnn_bn")
+    ours = minidp.DDP(model, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
+                      process_group=None, bucket_cap_mb=25, find_unused_parameters=False,
+                      gradient_as_bucket_view=False, static_graph=True)
+    theirs = TorchDDP(build("cnn_bn"))
+    keys_equal = list(ours.state_dict()) == list(theirs.state_dict())
+    subgroup = dist.new_group([0, 1])  # every rank must create it, members or not
+    if dist.get_rank() == 2:
+        return keys_equal, None
+    results = []
+    for engine in (minidp.DDP, TorchDDP):
+        m = engine(build("mlp"), process_group=subgroup)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for step in range(3):
+            torch.manual_seed(10 * step + dist.get_rank())
+            m(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        results.append([p.detach().clone() for p in m.parameters()])
+    return keys_equal, all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(_two_rank_checks, 2, timeout=300)
+
+
+def _two_rank_checks():
+    return {"layout": _layout_worker(), "overlap": _overlap_worker(), "errors": _error_worker()}
+
+
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
+def test_bucket_layout_equals_torch_ddp(two_ranks, case):
+    ours, theirs = two_ranks[0]["layout"][case]
+    assert ours == theirs
+    assert len(ours[0]) >= 1 and len(ours[2]) >= 1
+
+
+def test_first_iteration_is_one_bucket_then_rebuilt_in_ready_order(two_ranks):
+    ours, _ = two_ranks[0]["layout"]["mlp_small_cap"]
+    assert len(ours[0]) == 1 and len(ours[1]) > 1
+    # Rebuilt in the order gradients became ready: the last layer first.
+    assert ours[1][0][0].startswith("net.4.")
+
+
+def test_overlap_first_bucket_launched_before_last_gradient(two_ranks):
+    events, plan = two_ranks[0]["overlap"]
+    kinds = [kind for kind, _, _ in events]
+    assert len(plan) == 3
+    first_launch = kinds.index("launch")
+    last_ready = len(kinds) - 1 - kinds[::-1].index("grad_ready")
+    assert first_launch < last_ready, kinds
+    for b in range(len(plan)):  # each bucket: launched after its last gradient, done after launch
+        ready = [i for i, (k, _, f) in enumerate(events) if k == "grad_ready" and f["bucket"] == b]
+        launch = [i for i, (k, _, f) in enumerate(events) if k == "launch" and f["bucket"] == b]
+        done = [i for i, (k, _, f) in enumerate(events) if k == "done" and f["bucket"] == b]
+        assert len(launch) == 1 and len(done) == 1 and max(ready) < launch[0] < done[0]
+    assert kinds.index("backward_end") < kinds.index("finalize_end")
+
+
+@pytest.mark.parametrize("case, error, words", [
+    ("mismatch", "RuntimeError", ["ranks [1] differ from rank 0", "net.0.weight", "(31, 8)", "(32, 8)"]),
+    ("unused", "RuntimeError", ["rare.weight", "never.bias", "find_unused_parameters=True"]),
+    ("bucket_cap_zero", "ValueError", ["bucket_cap_mb=0"]),
+    ("bucket_cap_negative", "ValueError", ["bucket_cap_mb=-5"]),
+    ("sparse", "ValueError", ["sparse=True", "Embedding"]),
+    ("no_trainable", "RuntimeError", ["no parameter that requires a gradient"]),
+    ("device_ids_on_cpu", "ValueError", ["device_ids=[0]"]),
+    ("not_a_module", "TypeError", ["module=function"]),
+    ("unsupported_kwarg", "ValueError", ["mixed_precision='bf16'"]),
+])
+def test_errors_on_every_rank(two_ranks, case, error, words):
+    for rank, result in enumerate(two_ranks):
+        got = result["errors"][case]
+        assert got is not None, f"rank {rank}: no error for {case}"
+        assert got[0] == error, got
+        for word in words:
+            assert word in got[1], (rank, got)
+
+
+def test_dropin_state_dict_keys_kwargs_and_subgroup():
+    results = run_ranks(_dropin_worker, 3, timeout=200)
+    assert all(keys_equal for keys_equal, _ in results)
+    assert results[0][1] is True and results[1][1] is True and results[2][1] is None
