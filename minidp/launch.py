@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import select
 import signal
 import socket
 import sys
@@ -177,23 +178,58 @@ def _signal_tree(pid: int, sig: int) -> None:
 def supervise(workers: List[Worker], timeout: Optional[float] = None) -> None:
     """Wait for all workers; on the first failure (or timeout) stop the rest and raise."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    exit_seen: Dict[int, float] = {}  # rank -> wall time the launcher saw the process end
+    waiter = _ExitWaiter(workers)
     try:
         while True:
+            waiter.wait(POLL_S)  # wakes as soon as any worker exits
             codes = [w.exitcode() for w in workers]
+            for w, c in zip(workers, codes):
+                if c is not None:
+                    exit_seen.setdefault(w.rank, time.time())
             failed = [(w, c) for w, c in zip(workers, codes) if c not in (None, 0)]
             if failed:
-                # Several may have died by now (a peer's death breaks their collectives): the one
-                # whose error was recorded earliest is the cause.
-                worker, code = min(failed, key=lambda wc: read_error(wc[0].error_path)[0])
+                # A peer's death breaks the others' collectives, so several may have failed by now.
+                # The cause is the earliest: its exception's time, or its exit for a killed worker.
+                def failed_at(wc):
+                    return min(read_error(wc[0].error_path)[0], exit_seen[wc[0].rank])
+                worker, code = min(failed, key=failed_at)
                 raise WorkerFailed(worker.rank, code, _describe(worker, code))
             if all(c == 0 for c in codes):
                 return
             if deadline is not None and time.monotonic() > deadline:
                 running = [w.rank for w, c in zip(workers, codes) if c is None]
                 raise TimeoutError(f"launch: timeout={timeout}s passed with ranks {running} still running")
-            time.sleep(POLL_S)
     finally:
+        waiter.close()
         terminate(workers)
+
+
+class _ExitWaiter:
+    """Block until some worker exits (pidfd + select on Linux), or for at most the poll interval."""
+
+    def __init__(self, workers):
+        self.fds = {}  # pidfd -> worker, for workers still running
+        for w in workers:
+            try:
+                self.fds[os.pidfd_open(w.pid)] = w
+            except (AttributeError, OSError):  # not Linux >= 5.3: fall back to polling
+                self.close()
+                return
+
+    def wait(self, seconds: float) -> None:
+        if not self.fds:
+            time.sleep(seconds)
+            return
+        readable, _, _ = select.select(list(self.fds), [], [], seconds)
+        for fd in readable:  # an exited worker's pidfd stays readable: stop watching it
+            os.close(fd)
+            del self.fds[fd]
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = {}
 
 
 def launch(
