@@ -1,34 +1,77 @@
-"""`make demo`: a real 2-process CPU training with minidp's runtime; rank 0 prints the loss.
+"""`make demo`: the same short training under minidp and under torch DDP, then a comparison.
 
-(A placeholder main job until the full torchvision/DALI workflows land.)
+Trains examples/train_torchvision.py twice with 2 CPU worker processes (gloo), on the same
+synthetic data with the same seed: a ResNet-18 with the CIFAR stem and base width 16 (0.7 M
+parameters) on 1500 training images of 32x32 in 10 classes (shapes and colours plus noise),
+3 epochs of 23 steps (2 workers x 32 images), SGD with momentum, lr 0.05 scaled to 0.1 by linear
+warm-up over the first epoch, then cosine decay. Then it prints:
+  * the validation accuracy of each run, on 500 held-out images, counted exactly over the ranks;
+  * the largest absolute difference between the two runs' final weights and BatchNorm statistics
+    (0.0 means bitwise equal);
+  * the median step time of each run and their ratio minidp / DDP.
+Takes about a minute on two cores. Extra arguments go to both runs, e.g. `--epochs 5`.
 """
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
 import torch
-import torch.distributed as dist
+import train_torchvision
 
-import minidp
+ENGINES = ("minidp", "ddp")
+SETTINGS = ["--nproc-per-node", "2", "--epochs", "3", "--batch-size", "32", "--width", "16",
+            "--image-size", "32", "--train-per-class", "150", "--val-per-class", "50", "--seed", "0"]
 
 
-def train(local_rank: int, steps: int = 60) -> None:
-    torch.set_num_threads(1)
-    env = minidp.init()
-    torch.manual_seed(0)  # same initial weights everywhere
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    true_w = torch.randn(16, 1)
-    gen = torch.Generator().manual_seed(1000 + env.rank)  # each rank draws its own data
-    for step in range(steps):
-        x = torch.randn(32, 16, generator=gen)
-        loss = torch.nn.functional.mse_loss(model(x), x @ true_w)
-        opt.zero_grad()
-        loss.backward()
-        for p in model.parameters():  # average gradients over ranks
-            dist.all_reduce(p.grad)  # ranks meet here
-            p.grad /= env.world_size
-        opt.step()
-        if step % 10 == 0 or step == steps - 1:
-            minidp.print0(f"step {step:3d}  loss {loss.item():.4f}  (world size {env.world_size})")
-    minidp.shutdown()
+def train_both(work: str, extra: list) -> dict:
+    """Run the example once per engine; return each run's JSON report."""
+    reports = {}
+    for engine in ENGINES:
+        print(f"--- training with {'torch DDP' if engine == 'ddp' else engine} ---", flush=True)
+        report = os.path.join(work, f"{engine}.json")
+        train_torchvision.main([*SETTINGS, *extra, "--engine", engine, "--report", report,
+                                "--checkpoint", os.path.join(work, engine)])
+        with open(report) as f:
+            reports[engine] = json.load(f)
+    return reports
+
+
+def max_difference(path_a: str, path_b: str) -> tuple:
+    """(largest |a - b| over the models' floating-point tensors, number of tensors) of two checkpoints."""
+    a = torch.load(path_a, map_location="cpu", weights_only=False)["model"]
+    b = torch.load(path_b, map_location="cpu", weights_only=False)["model"]
+    tensors = [k for k, v in a.items() if v.is_floating_point()]
+    return max(float((a[k] - b[k]).abs().max()) for k in tensors), len(tensors)
+
+
+def print_report(reports: dict, wall_s: float) -> None:
+    """The comparison table."""
+    mine, ddp = reports["minidp"], reports["ddp"]
+    diff, n = max_difference(mine["checkpoint"], ddp["checkpoint"])
+    last = {e: reports[e]["history"][-1] for e in ENGINES}
+    ms = {e: 1000 * reports[e]["median_step_s"] for e in ENGINES}
+    print("\n=== minidp demo: ResNet-18 (width 16) on synthetic 32x32 images, 10 classes, 2 CPU workers ===")
+    print(f"{'':28s}{'minidp':>12s}{'torch DDP':>12s}")
+    print(f"{'validation accuracy':28s}{last['minidp']['val_accuracy']:>12.1%}{last['ddp']['val_accuracy']:>12.1%}"
+          f"   ({last['minidp']['val_count']} images; chance 10%)")
+    print(f"{'final training loss':28s}{last['minidp']['train_loss']:>12.4f}{last['ddp']['train_loss']:>12.4f}")
+    print(f"{'median step time':28s}{ms['minidp']:>10.1f}ms{ms['ddp']:>10.1f}ms   ({mine['steps']} steps each)")
+    verdict = "bitwise equal" if diff == 0 else "not bitwise equal"
+    print(f"max |parameter difference| minidp vs DDP: {diff:.3g} over {n} tensors ({verdict})")
+    print(f"step-time ratio minidp/DDP: {ms['minidp'] / ms['ddp']:.2f}")
+    print(f"demo wall time: {wall_s:.0f} s")
+
+
+def main() -> None:
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="minidp-demo-") as work:
+        reports = train_both(work, sys.argv[1:])
+        print_report(reports, time.perf_counter() - start)
 
 
 if __name__ == "__main__":
-    minidp.launch(train, nprocs=2)
+    main()

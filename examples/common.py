@@ -1,0 +1,287 @@
+"""Shared pieces of the two training examples: options, synthetic data, model, optimizer, evaluation.
+
+train_torchvision.py and train_dali.py differ only in how images reach the model; everything else
+(command line, the synthetic image set, the ResNet-18, engine, optimizer and warm-up, exact
+evaluation, checkpoints, the JSON report) lives here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torchvision
+from PIL import Image, ImageDraw
+from torch import nn
+from torchvision.models.resnet import BasicBlock
+
+import minidp
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, as minidp.data's DALI loader
+DEFAULT_LR = {"sgd": 0.05, "lars": 0.05, "lamb": 2e-3}  # base lr for one worker, before scaling
+DEFAULT_WD = {"sgd": 5e-4, "lars": 5e-4, "lamb": 0.01}
+# A small, fast preset for tests: 60 + 20 images of 16x16, a narrow net, a few steps.
+TINY = dict(train_per_class=6, val_per_class=2, image_size=16, width=8, batch_size=4, epochs=1, max_steps=3)
+
+
+def parse_args(description: str, argv=None) -> argparse.Namespace:
+    """The options both examples share (see the README); --tiny changes the defaults only."""
+    p = argparse.ArgumentParser(description=description)
+    launch = p.add_argument_group("launch (ignored under torchrun / python -m minidp.run)")
+    launch.add_argument("--nproc-per-node", type=int, default=2, help="worker processes on this node")
+    launch.add_argument("--nnodes", type=int, default=1)
+    launch.add_argument("--node-rank", type=int, default=0)
+    launch.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
+    launch.add_argument("--master-port", type=int, default=None, help="default: a free port (one node only)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32, help="images per worker per step")
+    p.add_argument("--lr", type=float, default=None, help=f"base lr for one worker, default {DEFAULT_LR}; "
+                   "scaled by the world size (sqrt for lamb) after a linear warm-up")
+    p.add_argument("--warmup-epochs", type=float, default=1.0)
+    p.add_argument("--optimizer", choices=("sgd", "lars", "lamb"), default="sgd")
+    p.add_argument("--engine", choices=("minidp", "ddp"), default="minidp", help="ddp = torch's DDP")
+    p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all workers")
+    p.add_argument("--data", default=None, help="ImageFolder root with train/ and val/ sub-folders; "
+                   "default: a synthetic 10-class set written once per node under --synthetic-dir")
+    p.add_argument("--synthetic-dir", default=None, help="default: a folder in the system temp dir")
+    p.add_argument("--train-per-class", type=int, default=300, help="synthetic training images per class")
+    p.add_argument("--val-per-class", type=int, default=60, help="synthetic validation images per class")
+    p.add_argument("--image-size", type=int, default=32, help="side of the synthetic images and of the crop")
+    p.add_argument("--width", type=int, default=64, help="ResNet-18 base width (64 is the standard net)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=None, help="stop each epoch after this many steps")
+    p.add_argument("--checkpoint", default=None, help="folder for epoch<e>.pt, written by rank 0")
+    p.add_argument("--report", default=None, help="JSON summary written by rank 0 (used by the demo)")
+    p.add_argument("--tiny", action="store_true", help=f"test preset: {TINY}")
+    if "--tiny" in (argv if argv is not None else sys.argv[1:]):
+        p.set_defaults(**TINY)
+    args = p.parse_args(argv)
+    args.lr = DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
+    return args
+
+
+def run(worker: Callable, args: argparse.Namespace) -> None:
+    """Under torchrun / minidp.run (RANK and LOCAL_RANK set) be the worker; else spawn the workers."""
+    if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
+        worker(int(os.environ["LOCAL_RANK"]), args)
+    else:
+        minidp.launch(worker, nprocs=args.nproc_per_node, args=(args,), nnodes=args.nnodes,
+                      node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
+
+
+# ----------------------------------------------------------------------------- synthetic data
+def draw_image(label: int, size: int, rng: np.random.Generator) -> Image.Image:
+    """One image of class `label`: its own shape and hue, random place, size and shade, plus noise."""
+    hue = np.array([[230, 40, 40], [40, 200, 40], [50, 80, 230], [230, 210, 40], [200, 50, 200],
+                    [40, 210, 210], [240, 140, 30], [140, 90, 40], [240, 240, 240], [120, 120, 120]])[label]
+    img = Image.new("RGB", (size, size), tuple(int(c) for c in rng.integers(0, 90, 3)))
+    d = ImageDraw.Draw(img)
+    r = rng.uniform(0.22, 0.4) * size
+    cx, cy = rng.uniform(r, size - r, 2)
+    box = (cx - r, cy - r, cx + r, cy + r)
+    colour = tuple(int(c) for c in np.clip(hue + rng.integers(-45, 46, 3), 0, 255))
+    w = max(1, size // 10)
+    shapes = [
+        lambda: d.ellipse(box, fill=colour),
+        lambda: d.rectangle(box, fill=colour),
+        lambda: d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=colour),
+        lambda: (d.rectangle((cx - r, cy - w, cx + r, cy + w), fill=colour),
+                 d.rectangle((cx - w, cy - r, cx + w, cy + r), fill=colour)),
+        lambda: d.ellipse(box, outline=colour, width=w + 1),
+        lambda: [d.rectangle((cx - r, y, cx + r, y + w), fill=colour) for y in np.arange(cy - r, cy + r, 2 * w + 1)],
+        lambda: [d.rectangle((x, cy - r, x + w, cy + r), fill=colour) for x in np.arange(cx - r, cx + r, 2 * w + 1)],
+        lambda: d.polygon([(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)], fill=colour),
+        lambda: (d.line((cx - r, cy - r, cx + r, cy + r), fill=colour, width=w + 1),
+                 d.line((cx - r, cy + r, cx + r, cy - r), fill=colour, width=w + 1)),
+        lambda: d.rectangle(box, outline=colour, width=w + 1),
+    ]
+    shapes[label]()
+    pixels = np.asarray(img, dtype=np.float32) + rng.normal(0, 20, (size, size, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def write_synthetic(root: str, train_per_class: int, val_per_class: int, size: int, seed: int) -> None:
+    """Write root/{train,val}/class<k>/<i>.png; every image is seeded by (seed, split, class, index)."""
+    for split_id, (split, count) in enumerate((("train", train_per_class), ("val", val_per_class))):
+        for label in range(10):
+            folder = os.path.join(root, split, f"class{label}")
+            os.makedirs(folder, exist_ok=True)
+            for i in range(count):
+                rng = np.random.default_rng([seed, split_id, label, i])
+                draw_image(label, size, rng).save(os.path.join(folder, f"{i:05d}.png"))
+
+
+def ensure_synthetic(args: argparse.Namespace) -> str:
+    """The synthetic set's root, written if missing. Call on local rank 0 first (local_rank_zero_first).
+
+    It is written into a fresh folder, with a marker file last, then renamed into place: a
+    half-written set (a crash) is never used, and two jobs sharing the temp dir do not collide.
+    """
+    spec = dict(train_per_class=args.train_per_class, val_per_class=args.val_per_class,
+                size=args.image_size, seed=args.seed)
+    name = "minidp-synthetic-{size}px-{train_per_class}x{val_per_class}-seed{seed}".format(**spec)
+    root = os.path.join(args.synthetic_dir or tempfile.gettempdir(), name)
+    marker = os.path.join(root, "COMPLETE")
+    if os.path.exists(marker):
+        return root
+    os.makedirs(os.path.dirname(root), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=name + ".partial-", dir=os.path.dirname(root))
+    write_synthetic(tmp, **spec)
+    with open(os.path.join(tmp, "COMPLETE"), "w") as f:
+        json.dump(spec, f)
+    if os.path.isdir(root) and not os.path.exists(marker):
+        shutil.rmtree(root, ignore_errors=True)  # left half-written by an older run
+    try:
+        os.rename(tmp, root)
+    except OSError:  # another job got there first with the same set
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+def data_root(args: argparse.Namespace) -> str:
+    """--data if given, else the synthetic set, generated by local rank 0 while the others wait."""
+    if args.data:
+        root = args.data
+    else:
+        with minidp.local_rank_zero_first():  # ranks meet here (barriers): one writer per node
+            root = ensure_synthetic(args)
+    for split in ("train", "val"):
+        if not os.path.isdir(os.path.join(root, split)):
+            raise ValueError(f"--data {root!r} has no {split}/ folder: expected an ImageFolder root "
+                             "with train/<class>/<image> and val/<class>/<image>")
+    return root
+
+
+@dataclass
+class Loaders:
+    """What the training loop needs from a data path (torchvision's or DALI's)."""
+
+    train: Iterable  # yields (images, labels); one pass = one epoch
+    val: Iterable  # this rank's share of the validation set, each image on exactly one rank
+    steps_per_epoch: int  # the same on every rank
+    num_classes: int
+    set_epoch: Callable[[int], None]
+    state: Callable[[int], dict]  # state(steps_done) -> what a checkpoint records about the data
+
+
+# ----------------------------------------------------------------------------- model and engine
+def resnet18_cifar(num_classes: int = 10, width: int = 64) -> nn.Module:
+    """torchvision's ResNet-18 with the CIFAR stem (3x3 conv, stride 1, no max-pool), base `width`."""
+    model = torchvision.models.resnet18(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+    model.maxpool = nn.Identity()  # 32x32 inputs are too small to downsample 4x in the stem
+    if width != 64:  # torchvision hard-codes 64..512: rebuild the stages with its own blocks
+        model.bn1, model.inplanes = nn.BatchNorm2d(width), width
+        for i, mult in enumerate((1, 2, 4, 8), start=1):
+            setattr(model, f"layer{i}", model._make_layer(BasicBlock, width * mult, 2, stride=1 if i == 1 else 2))
+        model.fc = nn.Linear(8 * width, num_classes)
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):  # torchvision's ResNet initialisation
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+    return model
+
+
+def wrap(model: nn.Module, args: argparse.Namespace, env: minidp.DistEnv) -> nn.Module:
+    """SyncBatchNorm if asked, move to the device, wrap in minidp's or torch's DDP."""
+    if args.sync_bn:
+        # torch.nn.SyncBatchNorm runs on CUDA only: on CPU both engines use minidp's.
+        cuda_torch = args.engine == "ddp" and env.device.type == "cuda"
+        convert = nn.SyncBatchNorm.convert_sync_batchnorm if cuda_torch else minidp.convert_sync_batchnorm
+        model = convert(model)
+    model = model.to(env.device)
+    ids = [env.device.index] if env.device.type == "cuda" else None
+    engine = minidp.DDP if args.engine == "minidp" else nn.parallel.DistributedDataParallel
+    return engine(model, device_ids=ids)  # ranks meet here: rank 0's weights are broadcast
+
+
+def cosine(step: int, total: int) -> float:
+    """Cosine decay from 1 to 0 over `total` steps (after warm-up)."""
+    return 0.5 * (1.0 + math.cos(math.pi * min(step, total) / max(total, 1)))
+
+
+def lr_rule(args: argparse.Namespace) -> str:
+    """How the lr grows with the world size: linearly for SGD/LARS, by its square root for LAMB (Adam)."""
+    return "sqrt" if args.optimizer == "lamb" else "linear"
+
+
+def make_optimizer(model: nn.Module, args: argparse.Namespace, steps_per_epoch: int, world_size: int):
+    """Optimizer at the base lr, and a scheduler: linear warm-up to lr * world_size, then cosine."""
+    groups = minidp.optim.exclude_bias_and_norm(model)  # no weight decay on biases and norm weights
+    wd = DEFAULT_WD[args.optimizer]
+    if args.optimizer == "sgd":
+        opt = torch.optim.SGD(groups, lr=args.lr, momentum=0.9, weight_decay=wd)
+    elif args.optimizer == "lars":
+        opt = minidp.optim.LARS(groups, lr=args.lr, momentum=0.9, weight_decay=wd, trust_coefficient=0.02)
+    else:
+        opt = minidp.optim.LAMB(groups, lr=args.lr, weight_decay=wd)
+    total = args.epochs * steps_per_epoch
+    warmup = min(total, round(args.warmup_epochs * steps_per_epoch))
+    sched = minidp.lr.warmup_scheduler(opt, warmup_steps=warmup, world_size=world_size,
+                                       rule=lr_rule(args),
+                                       decay=_Cosine(total - warmup))
+    return opt, sched
+
+
+@dataclass
+class _Cosine:
+    """Picklable decay for the scheduler (a lambda would not go into a checkpoint)."""
+
+    total: int
+
+    def __call__(self, step: int) -> float:
+        return cosine(step, self.total)
+
+
+# ----------------------------------------------------------------------------- evaluation, checkpoints
+def sync_buffers(module: nn.Module) -> None:
+    """Copy rank 0's buffers (BatchNorm running statistics) to every rank.
+
+    The engines broadcast them before each training forward, so after the last step each rank
+    holds statistics updated with its own batch; evaluating with rank 0's makes the result equal
+    to what rank 0's checkpoint gives.
+    """
+    for b in module.buffers():
+        torch.distributed.broadcast(b, src=0)  # ranks meet here
+
+
+@torch.no_grad()
+def evaluate(module: nn.Module, batches: Iterable, device: torch.device) -> dict:
+    """Correct predictions, image count and summed loss over every rank's share, summed exactly.
+
+    Uses the unwrapped module: the wrapper's forward may hold collectives, and ranks may have
+    different numbers of validation batches (even an empty one with DALI).
+    """
+    module.eval()
+    correct, count, loss_sum = 0, 0, 0.0
+    for images, labels in batches:
+        if labels.numel() == 0:
+            continue
+        images, labels = images.to(device), labels.to(device)
+        logits = module(images)
+        correct += int((logits.argmax(1) == labels).sum())
+        count += labels.numel()
+        loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
+    module.train()
+    return minidp.all_reduce_sums({"correct": correct, "count": count, "loss_sum": loss_sum})  # ranks meet
+
+
+def save_checkpoint(folder: str, epoch: int, state: dict) -> Optional[str]:
+    """Rank 0 writes folder/epoch<epoch>.pt atomically (temp file + os.replace); others return None."""
+    if not minidp.is_main():
+        return None
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"epoch{epoch}.pt")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".epoch", suffix=".tmp")
+    os.close(fd)
+    torch.save({**state, "epoch": epoch}, tmp)
+    os.replace(tmp, path)  # a reader never sees a half-written checkpoint
+    return path
