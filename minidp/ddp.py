@@ -12,13 +12,16 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 
+from . import consistency
+from .join import DDPJoinHook, find_common_rank, vote_to_sync
 from .reducer import Reducer
 from .sync import broadcast_coalesced, check_same_across_ranks
 from .timeline import Timeline
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Average gradients over ranks during backward, bucket by bucket, as torch DDP does.
 
     Args:
@@ -35,6 +38,8 @@ class DistributedDataParallel(nn.Module):
         check_reduction: ignored (deprecated in torch too).
         gradient_as_bucket_view: `.grad` tensors become views into the buckets. Default False.
         static_graph: accepted; selects the same bucket policy as find_unused_parameters=False.
+        debug: check every step that all ranks reduce the same thing (see consistency.py).
+            Default None: on when the environment has MINIDP_DEBUG=1.
 
     Example:
         env = minidp.init()
@@ -46,9 +51,13 @@ class DistributedDataParallel(nn.Module):
                  broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False, **unsupported):
+                 static_graph: bool = False, debug: bool | None = None, **unsupported):
         super().__init__()
+        Joinable.__init__(self)
         _check_arguments(module, bucket_cap_mb, unsupported)
+        _check_flags(broadcast_buffers=broadcast_buffers, init_sync=init_sync,
+                     find_unused_parameters=find_unused_parameters,
+                     gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
         if not dist.is_initialized():
             raise RuntimeError("minidp.DDP needs a process group: call minidp.init() first")
         self.module, self.process_group, self.dim = module, process_group, dim
@@ -59,6 +68,8 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # whether the next forward broadcasts buffers
+        self.divide_by_initial_world_size = True  # set by join()
+        self.debug = consistency.debug_from_env() if debug is None else bool(debug)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._verify_across_ranks(named, bucket_cap_mb)
         if not named:
@@ -68,7 +79,7 @@ class DistributedDataParallel(nn.Module):
             states = [p for _, p in module.named_parameters()] + list(module.buffers())
             broadcast_coalesced(states, process_group)  # ranks meet here: rank 0's weights win
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], process_group, bucket_cap_mb,
-                               find_unused_parameters, gradient_as_bucket_view, static_graph)
+                               find_unused_parameters, gradient_as_bucket_view, static_graph, self.debug)
 
     def _verify_across_ranks(self, named, bucket_cap_mb) -> None:
         """Every rank must wrap the same parameters (and settings); say where they differ."""
@@ -81,25 +92,59 @@ class DistributedDataParallel(nn.Module):
 
     def forward(self, *inputs, **kwargs):
         self.reducer.raise_if_failed()
+        syncing = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self.debug and syncing:
+            consistency.check(consistency.FORWARD, self.reducer.iteration + 1, self.reducer.plan(),
+                              self.process_group, self.join_device)
+        count_work = Join.notify_join_context(self)  # ranks meet here under join(): who still trains?
         if torch.is_grad_enabled():
             self.reducer.maybe_rebuild()  # ranks meet here, once, after the first synced iteration
         if self.require_forward_param_sync and self.broadcast_buffers:
-            self._sync_buffers()
+            self.sync_buffers(joined=False)
+        if self._join_config.enable:
+            vote_to_sync(self, joined=False)  # ranks meet here: matches the joined ranks' vote
         if self.device_ids:
             inputs, kwargs = _move_to(inputs, self.device_ids[0]), _move_to(kwargs, self.device_ids[0])
         output = self.module(*inputs, **kwargs)
         # As in DDP, whether the *next* forward broadcasts buffers depends on this one syncing.
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            self.require_forward_param_sync = True
-            self.reducer.prepare_for_backward()
-        else:
-            self.require_forward_param_sync = False
+        self.require_forward_param_sync = syncing
+        if syncing:
+            divide_by_count = count_work is not None and not self.divide_by_initial_world_size
+            self.reducer.prepare_for_backward(count_work if divide_by_count else None)
         return output
 
-    def _sync_buffers(self) -> None:
+    def sync_buffers(self, joined: bool) -> None:
+        """Broadcast the buffers from rank 0 (under join(): from the highest rank still training)."""
         buffers = list(self.module.buffers())
-        if buffers:
-            broadcast_coalesced(buffers, self.process_group)  # ranks meet here
+        if not buffers:
+            return
+        src = find_common_rank(self.process_group, self.join_device, not joined) \
+            if self._join_config.enable else 0
+        broadcast_coalesced(buffers, self.process_group, src=src)  # ranks meet here
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Train on uneven inputs: `with model.join(): for batch in my_batches: ...` (DDP's join()).
+
+        Args:
+            divide_by_initial_world_size: average over the initial world size (joined ranks add
+                zeros), or over the ranks still training. Default True.
+            enable: False turns the context into a no-op. Default True.
+            throw_on_early_termination: raise on every rank as soon as one runs out. Default False.
+        """
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> DDPJoinHook:
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.reducer.buckets[0].buffer.device
+
+    @property
+    def join_process_group(self):
+        return self.process_group if self.process_group is not None else dist.group.WORLD
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -155,6 +200,12 @@ def _check_arguments(module, bucket_cap_mb, unsupported) -> None:
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
             raise ValueError(f"module {name!r} ({type(sub).__name__}) has sparse=True: minidp reduces only "
                              "dense gradients; use sparse=False")
+
+
+def _check_flags(**flags) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}={value!r} must be True or False")
 
 
 def _check_device_ids(module, device_ids):

@@ -20,7 +20,9 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from . import buckets as planning
+from . import consistency
 from .hooks import GradBucket, allreduce_sum_hook
+from .sync import global_rank
 
 
 @dataclass
@@ -50,9 +52,11 @@ class Reducer:
     """
 
     def __init__(self, params, names, process_group, bucket_cap_mb=None, find_unused_parameters=False,
-                 gradient_as_bucket_view=False, static_graph=False):
+                 gradient_as_bucket_view=False, static_graph=False, debug=False):
         self.params, self.names, self.group = list(params), list(names), process_group
-        self.world_size = dist.get_world_size(process_group)
+        self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        self.iteration, self.debug = 0, debug  # iteration: synced backwards prepared so far
+        self.divisor, self.divisor_work = self.world_size, None  # join() may shrink the divisor
         self.bucket_cap_mb, self.find_unused = bucket_cap_mb, find_unused_parameters
         self.as_view, self.static_graph = gradient_as_bucket_view, static_graph
         self.comm_hook, self.comm_state, self.custom_hook = allreduce_sum_hook, process_group, False
@@ -105,7 +109,7 @@ class Reducer:
             raise RuntimeError(f"minidp: cannot rebuild buckets: {len(self.ready_order)} of "
                                f"{len(self.params)} gradients were recorded in the first iteration")
         # Ranks meet here: all ranks adopt rank 0's order, so their layouts agree.
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        src = global_rank(self.group, 0)
         order = order.to(self.buckets[0].buffer.device)
         dist.broadcast(order, src=src, group=self.group)
         sizes = [p.numel() * p.element_size() for p in self.params]
@@ -122,8 +126,15 @@ class Reducer:
         if self.error:
             raise RuntimeError(self.error)
 
-    def prepare_for_backward(self) -> None:
-        """Arm the hooks for the next backward (called after a forward that syncs)."""
+    def prepare_for_backward(self, divisor_work=None) -> None:
+        """Arm the hooks for the next backward (called after a forward that syncs).
+
+        Args:
+            divisor_work: under join(divide_by_initial_world_size=False), the async all-reduce
+                that counts the ranks still training; gradients are divided by that count.
+        """
+        self.iteration += 1
+        self.divisor, self.divisor_work = self.world_size, divisor_work
         self.ready = [False] * len(self.params)
         for bucket in self.buckets:
             bucket.pending, bucket.future = len(bucket.param_indices), None
@@ -142,6 +153,9 @@ class Reducer:
         if not self.callback_queued:
             Variable._execution_engine.queue_callback(self._finalize)  # runs at the end of backward
             self.callback_queued = True
+            if self.divisor_work is not None:  # join(): divide by the ranks still training
+                self.divisor_work.wait()
+                self.divisor = int(self.divisor_work.result()[0].item())
         self.ready[index] = True
         if not self.rebuilt:
             self.ready_order.append(index)
@@ -163,9 +177,9 @@ class Reducer:
             # DDP's numerics: scale while copying (multiply by the reciprocal), or divide in place
             # when the gradient already lives in the bucket.
             if aliased:
-                view.div_(self.world_size)
+                view.div_(self.divisor)
             else:
-                torch.mul(grad, 1.0 / self.world_size, out=view)
+                torch.mul(grad, 1.0 / self.divisor, out=view)
         elif not aliased:
             view.copy_(grad)
         if self.as_view and not aliased:
@@ -178,6 +192,9 @@ class Reducer:
             params = [self.params[i] for i in bucket.param_indices]
             grad_bucket = GradBucket(bucket.index, bucket.buffer, params, bucket.offsets,
                                      is_last=bucket.index == len(self.buckets) - 1)
+            if self.debug and bucket.index == 0:
+                consistency.check(consistency.BACKWARD, self.iteration, self.plan(), self.group,
+                                  bucket.buffer.device, 0, self.describe_bucket)
             if self.timeline is not None:
                 self.timeline.record("launch", bucket=bucket.index)
             bucket.future = self.comm_hook(self.comm_state, grad_bucket)  # ranks meet here (async)
@@ -199,10 +216,44 @@ class Reducer:
         self._launch_ready_buckets()
         globally_unused = self._globally_unused() if self.find_unused else set()
         for bucket in self.buckets:
-            result = bucket.future.wait()
-            self._write_back(bucket, result, globally_unused)
+            self._write_back(bucket, self._wait(bucket), globally_unused)
         if self.timeline is not None:
             self.timeline.record("finalize_end")
+
+    def _wait(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's reduced buffer; a failure names this rank, the iteration and the bucket."""
+        try:
+            return bucket.future.wait()
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"minidp.DDP on rank {self.rank}: iteration {self.iteration}: the all-reduce of bucket "
+                f"{bucket.index} [{self.describe_bucket(bucket.index)}] failed; likely "
+                f"{consistency.LIKELY_CAUSES} (MINIDP_DEBUG=1 checks every step). Cause: {exc}") from exc
+
+    def plan(self) -> list[list[int]]:
+        return [b.param_indices for b in self.buckets]
+
+    def describe_bucket(self, index: int) -> str:
+        names = [self.names[i] for i in self.buckets[index].param_indices]
+        shown = names if len(names) <= 4 else names[:2] + ["..."] + names[-1:]
+        return f"{len(names)} parameter(s): {', '.join(shown)}"
+
+    def shadow_backward(self) -> None:
+        """For a rank that has joined (no more data): match one backward's collectives with zeros."""
+        futures = []
+        for bucket in self.buckets:  # the same order as the ranks still training launch them
+            zeros = torch.zeros_like(bucket.buffer)
+            params = [self.params[i] for i in bucket.param_indices]
+            grad_bucket = GradBucket(bucket.index, zeros, params, bucket.offsets,
+                                     is_last=bucket.index == len(self.buckets) - 1)
+            futures.append(self.comm_hook(self.comm_state, grad_bucket))  # ranks meet here (async)
+        for future in futures:
+            future.wait()
+        if self.find_unused:  # match the used-parameter count: this rank used none
+            zeros = torch.zeros(len(self.params), dtype=torch.int32, device=self.buckets[0].buffer.device)
+            dist.all_reduce(zeros, group=self.group)  # ranks meet here
+        if not self.rebuilt and not self.ready_order:
+            self.ready_order = list(range(len(self.params)))  # as DDP: a joined rank votes for the default
 
     def _globally_unused(self) -> set:
         """Indices of parameters no rank produced a gradient for: their .grad stays untouched."""

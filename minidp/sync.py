@@ -9,19 +9,19 @@ import torch.distributed as dist
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
 
 
-def group_rank0(group) -> int:
-    """The global rank of the group's rank 0: the source of every broadcast."""
-    return 0 if group is None else dist.get_global_rank(group, 0)
+def global_rank(group, group_rank: int) -> int:
+    """The global rank of `group_rank` in `group` (None: the world)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
-def broadcast_coalesced(tensors: Sequence[torch.Tensor], group=None,
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], group=None, src: int = 0,
                         chunk_bytes: int = BROADCAST_CHUNK_BYTES) -> None:
-    """Overwrite `tensors` on every rank with rank 0's values, a few flat collectives in all.
+    """Overwrite `tensors` on every rank with group rank `src`'s values, a few flat collectives in all.
 
     Consecutive tensors of one dtype and device are packed into a flat chunk of up to
     `chunk_bytes`, broadcast once, and unpacked; so 200 small tensors cost one collective.
     """
-    src = group_rank0(group)
+    src = global_rank(group, src)
     for chunk in _chunks(tensors, chunk_bytes):
         flat = torch.cat([t.detach().reshape(-1) for t in chunk])
         dist.broadcast(flat, src=src, group=group)  # ranks meet here

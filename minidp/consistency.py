@@ -1,0 +1,74 @@
+"""Desync diagnosis: tell which ranks disagree about what they reduce, instead of hanging.
+
+Ranks must issue the same collectives in the same order. When one rank skips a backward, runs
+one step fewer, or builds other buckets, its collectives pair with the wrong ones on the others:
+a hang, an error deep inside gloo/NCCL, or (worst) a silently wrong sum.
+
+Debug mode (`MINIDP_DEBUG=1`, or `minidp.DDP(..., debug=True)`) adds a cheap check: before the
+first collective of each forward and before the first bucket of each backward, every rank
+all-gathers a fingerprint (phase, iteration, bucket plan, bucket, size). These always pair with
+each other, so a disagreement is seen by every rank at once and reported with its details.
+Off by default: it costs one small all-gather per forward and per backward.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+
+import torch
+import torch.distributed as dist
+
+FORWARD, BACKWARD = 1, 2
+_PHASES = {FORWARD: "forward", BACKWARD: "backward"}
+LIKELY_CAUSES = ("a rank skipped a backward, ran a different number of steps, built different buckets, "
+                 "or died")
+
+
+def debug_from_env() -> bool:
+    """MINIDP_DEBUG=1 (or true/yes) turns the per-step consistency check on."""
+    return os.environ.get("MINIDP_DEBUG", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def plan_hash(plan: list[list[int]]) -> int:
+    return zlib.crc32(repr(plan).encode()) & 0x7FFFFFFF
+
+
+def check(phase: int, iteration: int, plan: list[list[int]], group, device, bucket=None,
+          describe_bucket=None) -> None:
+    """All-gather this rank's fingerprint and raise on every rank if any rank differs.
+
+    Args:
+        phase: FORWARD or BACKWARD.
+        iteration: the synced iteration this step belongs to (1 for the first).
+        plan: the bucket plan (parameter indices per bucket).
+        bucket: index of the bucket about to be launched (backward only).
+        describe_bucket: function(bucket index) -> text naming its parameters.
+    """
+    mine = torch.tensor([phase, iteration, plan_hash(plan), -1 if bucket is None else bucket, len(plan)],
+                        dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    try:
+        dist.all_gather(gathered, mine, group=group)  # ranks meet here
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"minidp.DDP consistency check (debug mode) failed on rank {dist.get_rank(group)} at iteration "
+            f"{iteration} ({_PHASES[phase]}): a peer did not answer, so {LIKELY_CAUSES}. Cause: {exc}") from exc
+    rows, rows_mine = [g.tolist() for g in gathered], mine.tolist()
+    differing = [r for r, row in enumerate(rows) if row != rows[0]]
+    if differing:
+        # Name a bucket's parameters only for ranks whose plan is this rank's (else the names would lie).
+        lines = [f"  rank {r}: {_describe(row, describe_bucket if row[2] == rows_mine[2] else None)}"
+                 for r, row in enumerate(rows)]
+        raise RuntimeError(
+            f"minidp.DDP consistency check (debug mode): ranks {differing} differ from rank 0 about what they "
+            f"reduce; {LIKELY_CAUSES}.\n" + "\n".join(lines))
+
+
+def _describe(row: list[int], describe_bucket) -> str:
+    phase, iteration, plan, bucket, n_buckets = row
+    text = f"iteration {iteration}, {_PHASES.get(phase, phase)}, bucket plan {plan:#x} ({n_buckets} buckets)"
+    if bucket >= 0:
+        text += f", launching bucket {bucket}"
+        if describe_bucket is not None:
+            text += f" [{describe_bucket(bucket)}]"
+    return text

@@ -1,0 +1,64 @@
+"""Uneven inputs: ranks that run out of data keep shadowing the others' collectives.
+
+Built on torch's generic join protocol (`torch.distributed.algorithms.Join`, public): inside
+`with model.join():`, a rank whose loop has ended waits in `Join.__exit__`, and for every
+iteration the other ranks still run, it calls our `main_hook`, which issues the same collectives
+a real iteration would (buffer broadcast, the "do we sync?" vote, one all-reduce of zeros per
+bucket). When the last rank joins, `post_hook` broadcasts the final model from it, since the
+joined ranks' optimizers stopped stepping. Same protocol and numerics as torch DDP's join().
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook
+
+from .sync import broadcast_coalesced
+
+
+def find_common_rank(group, device, candidate: bool) -> int:
+    """The highest group rank among those with `candidate` True (DDP's tie-break)."""
+    rank = dist.get_rank(group)
+    pick = torch.tensor([rank if candidate else -1], device=device)
+    dist.all_reduce(pick, op=dist.ReduceOp.MAX, group=group)  # ranks meet here
+    found = int(pick.item())
+    if found < 0:
+        raise RuntimeError("minidp join: no rank qualified as the authoritative copy")
+    return found
+
+
+def vote_to_sync(ddp, joined: bool) -> bool | None:
+    """All ranks vote whether this iteration syncs gradients; a joined rank votes no, and learns the result."""
+    vote = torch.ones(1, device=ddp.join_device) if (not joined and ddp.require_backward_grad_sync) \
+        else torch.zeros(1, device=ddp.join_device)
+    work = dist.all_reduce(vote, group=ddp.process_group, async_op=True)  # ranks meet here
+    if not joined:
+        return None  # a training rank syncs if it wants to; only joined ranks need the answer
+    work.wait()
+    return vote.item() != 0
+
+
+class DDPJoinHook(JoinHook):
+    """Shadows one iteration of minidp.DDP per call of main_hook, on a rank that has no more data."""
+
+    def __init__(self, ddp, divide_by_initial_world_size: bool = True):
+        self.ddp = ddp
+        ddp.divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        ddp.reducer.maybe_rebuild()  # ranks meet here if the others rebuild now
+        if ddp.require_forward_param_sync and ddp.broadcast_buffers:
+            ddp.sync_buffers(joined=True)
+        should_sync = vote_to_sync(ddp, joined=True)
+        ddp.require_forward_param_sync = should_sync
+        if should_sync:
+            ddp.reducer.shadow_backward()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        ddp = self.ddp
+        src = find_common_rank(ddp.process_group, ddp.join_device, is_last_joiner)
+        states = [p for p in ddp.module.parameters()]
+        if ddp.broadcast_buffers:
+            states += list(ddp.module.buffers())
+        broadcast_coalesced(states, ddp.process_group, src=src)  # ranks meet here: the final model
