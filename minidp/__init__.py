@@ -1,5 +1,6 @@
 """minidp: a from-scratch data-parallel training engine for PyTorch."""
 from . import data, hooks, lr, optim
+from .checkpoint import load_checkpoint, save_checkpoint
 from .ddp import DDP, DistributedDataParallel
 from .env import DistEnv, init, shutdown
 from .launch import WorkerFailed, launch
@@ -28,10 +29,12 @@ __all__ = [
     "init",
     "is_main",
     "launch",
+    "load_checkpoint",
     "local_rank_zero_first",
     "lr",
     "optim",
     "print0",
+    "save_checkpoint",
     "shutdown",
 ]
 __version__ = "0.1.0"

@@ -46,13 +46,16 @@ def check(phase: int, iteration: int, plan: list[list[int]], group, device, buck
     """
     mine = torch.tensor([phase, iteration, plan_hash(plan), -1 if bucket is None else bucket, len(plan)],
                         dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     try:
         dist.all_gather(gathered, mine, group=group)  # ranks meet here
     except RuntimeError as exc:
+        first = 0 if bucket is None else bucket
+        where = f"bucket {first} [{describe_bucket(first)}]" if describe_bucket else f"bucket {first}"
         raise RuntimeError(
             f"minidp.DDP consistency check (debug mode) failed on rank {dist.get_rank(group)} at iteration "
-            f"{iteration} ({_PHASES[phase]}): a peer did not answer, so {LIKELY_CAUSES}. Cause: {exc}") from exc
+            f"{iteration} ({_PHASES[phase]}, before {where}): a peer did not answer, so {LIKELY_CAUSES}. "
+            f"Cause: {exc}") from exc
     rows, rows_mine = [g.tolist() for g in gathered], mine.tolist()
     differing = [r for r, row in enumerate(rows) if row != rows[0]]
     if differing:
@@ -66,6 +69,9 @@ def check(phase: int, iteration: int, plan: list[list[int]], group, device, buck
 
 def _describe(row: list[int], describe_bucket) -> str:
     phase, iteration, plan, bucket, n_buckets = row
+    if phase not in _PHASES:  # its side of the all-gather was some other collective
+        return ("sent no minidp fingerprint: it is not in a minidp step (it finished its loop, e.g. ran "
+                "fewer steps, or is in another collective)")
     text = f"iteration {iteration}, {_PHASES.get(phase, phase)}, bucket plan {plan:#x} ({n_buckets} buckets)"
     if bucket >= 0:
         text += f", launching bucket {bucket}"

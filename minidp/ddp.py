@@ -88,6 +88,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         records.append(("settings", f"bucket_cap_mb={bucket_cap_mb}",
                         f"find_unused_parameters={self.find_unused_parameters}",
                         f"gradient_as_bucket_view={self.gradient_as_bucket_view}"))
+        # Ranks meet here. A differing setting (e.g. bucket_cap_mb) would give different buckets
+        # from iteration 2 on, and sums of unrelated gradients: refuse before iteration 1.
         check_same_across_ranks("parameter/buffer/setting", records, self.process_group)
 
     def forward(self, *inputs, **kwargs):
@@ -95,7 +97,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         syncing = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self.debug and syncing:
             consistency.check(consistency.FORWARD, self.reducer.iteration + 1, self.reducer.plan(),
-                              self.process_group, self.join_device)
+                              self.process_group, self.join_device, describe_bucket=self.reducer.describe_bucket)
         count_work = Join.notify_join_context(self)  # ranks meet here under join(): who still trains?
         if torch.is_grad_enabled():
             self.reducer.maybe_rebuild()  # ranks meet here, once, after the first synced iteration

@@ -68,8 +68,9 @@ def check_same_across_ranks(what: str, records: list, group=None) -> None:
     lines = [f"  rank 0: {show(reference)}"] + [f"  rank {r}: {show(gathered[r])}" for r in ranks]
     counts = sorted({len(rec) for rec in gathered})
     raise RuntimeError(
-        f"minidp.DDP: ranks {ranks} differ from rank 0 at {what} #{first} "
-        f"(entry counts seen: {counts}); every rank must wrap the same model:\n" + "\n".join(lines))
+        f"minidp.DDP construction (before iteration 1): ranks {ranks} differ from rank 0 at {what} #{first} "
+        f"(entry counts seen: {counts}); every rank must wrap the same model with the same settings, "
+        "or their buckets would not match:\n" + "\n".join(lines))
 
 
 def _first_difference(a: list, b: list) -> int:

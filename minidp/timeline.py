@@ -1,19 +1,42 @@
 """A recorder of what happens inside one step: gradients ready, buckets launched and completed.
 
 Off by default: the reducer checks `timeline is not None` and does nothing else.
-Turn it on with `model.enable_timeline()`; each event is (kind, time_ns, fields).
+Turn it on with `model.enable_timeline()`; each event is (kind, time_ns, fields), time from
+time.perf_counter_ns() (CLOCK_MONOTONIC on Linux: one clock for every process on a machine).
+
+Kinds the reducer records: "grad_ready" (param, bucket), "launch" (bucket), "done" (bucket, from
+the thread that completes the communication), "backward_end", "finalize_end". A training loop may
+add its own with `record()`: "forward_start", "backward_start" and "step_end" are drawn too.
+
+Example:
+    timeline = model.enable_timeline()
+    timeline.record("forward_start")
+    loss = loss_fn(model(x), y)
+    timeline.record("backward_start")
+    loss.backward()
+    opt.step()
+    timeline.record("step_end")
+    timeline.to_chrome_trace("step.json")   # open in https://ui.perfetto.dev
+    timeline.plot("step.png")               # needs matplotlib
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
+
+# Spans of the "step" lane: (name, start kind, end kind); drawn when both events exist.
+STEP_SPANS = (("forward", "forward_start", "backward_start"), ("backward", "backward_start", "backward_end"),
+              ("finalize (wait + write back)", "backward_end", "finalize_end"),
+              ("optimizer", "finalize_end", "step_end"))
+STEP_TID, GRADS_TID, BUCKET_TID0 = 0, 1, 10
 
 
 class Timeline:
     """Thread-safe list of events; communication completions are recorded from comm threads."""
 
-    def __init__(self):
-        self.events: list[tuple[str, int, dict]] = []
+    def __init__(self, events=None):
+        self.events: list[tuple[str, int, dict]] = list(events or [])
         self._lock = threading.Lock()
 
     def record(self, kind: str, **fields) -> None:
@@ -31,3 +54,141 @@ class Timeline:
     def clear(self) -> None:
         with self._lock:
             self.events.clear()
+
+    def snapshot(self) -> list[tuple[str, int, dict]]:
+        """A copy of the events sorted by time (comm threads may append slightly out of order)."""
+        with self._lock:
+            return sorted(self.events, key=lambda e: e[1])
+
+    def bucket_spans(self) -> list[dict]:
+        """Per launch of a bucket: its gradients' first/last ready time, launch and done (ns)."""
+        return bucket_spans(self.snapshot())
+
+    def to_chrome_trace(self, path: str, pid: int = 0) -> None:
+        """Write a Chrome/Perfetto trace (JSON) of the recorded events; `pid` is shown as the rank."""
+        write_chrome_trace(path, {pid: self.snapshot()})
+
+    def plot(self, path: str, title: str = "") -> None:
+        """Draw the step as lanes (step phases, gradients, one lane per bucket) into a PNG."""
+        plot_timelines(path, {0: self.snapshot()}, title)
+
+
+def bucket_spans(events) -> list[dict]:
+    """Pair each bucket's k-th "launch" with its k-th "done" and the gradients that came before.
+
+    Returns dicts (bucket, params, first_ready, last_ready, launch, done), in launch order; times in
+    ns, None where an event is missing (e.g. a bucket still in flight).
+    """
+    spans, pending, dones = [], {}, {}
+    for kind, stamp, fields in sorted(events, key=lambda e: e[1]):
+        if kind == "grad_ready":
+            pending.setdefault(fields["bucket"], []).append(stamp)
+        elif kind == "launch":
+            ready = pending.pop(fields["bucket"], [])
+            spans.append({"bucket": fields["bucket"], "params": len(ready), "first_ready": min(ready, default=None),
+                          "last_ready": max(ready, default=None), "launch": stamp, "done": None})
+        elif kind == "done":
+            dones.setdefault(fields["bucket"], []).append(stamp)
+    for span in spans:  # k-th launch of a bucket <-> its k-th completion
+        queue = dones.get(span["bucket"], [])
+        span["done"] = queue.pop(0) if queue else None
+    return spans
+
+
+def _step_spans(events):
+    """(name, start, end) of the step phases present in `events` (first occurrence of each kind)."""
+    first = {}
+    for kind, stamp, _ in sorted(events, key=lambda e: e[1]):
+        first.setdefault(kind, stamp)
+    if "backward_start" not in first and "grad_ready" in first:
+        first["backward_start"] = first["grad_ready"]  # no marker from the loop: backward began by then
+    return [(name, first[a], first[b]) for name, a, b in STEP_SPANS if a in first and b in first]
+
+
+def trace_events(events, pid: int = 0, t0_ns: int | None = None) -> list[dict]:
+    """Chrome trace events: "X" spans (ts/dur in microseconds) per lane, "i" marks per gradient."""
+    t0 = min((e[1] for e in events), default=0) if t0_ns is None else t0_ns
+    us = lambda ns: (ns - t0) / 1e3  # noqa: E731 - a one-line unit conversion
+    out = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"rank {pid}"}},
+           {"ph": "M", "name": "thread_name", "pid": pid, "tid": STEP_TID, "args": {"name": "step"}},
+           {"ph": "M", "name": "thread_name", "pid": pid, "tid": GRADS_TID, "args": {"name": "gradients ready"}}]
+    for name, start, end in _step_spans(events):
+        out.append({"ph": "X", "name": name, "pid": pid, "tid": STEP_TID, "ts": us(start), "dur": us(end) - us(start)})
+    for kind, stamp, fields in events:
+        if kind == "grad_ready":
+            out.append({"ph": "i", "s": "t", "name": fields.get("param", "grad"), "pid": pid, "tid": GRADS_TID,
+                        "ts": us(stamp), "args": {"bucket": fields.get("bucket")}})
+    for span in bucket_spans(events):
+        tid = BUCKET_TID0 + span["bucket"]
+        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                    "args": {"name": f"bucket {span['bucket']}"}})
+        if span["done"] is not None:
+            out.append({"ph": "X", "name": f"all-reduce bucket {span['bucket']}", "pid": pid, "tid": tid,
+                        "ts": us(span["launch"]), "dur": us(span["done"]) - us(span["launch"]),
+                        "args": {"params": span["params"],
+                                 "launch_after_last_ready_us": _gap_us(span["last_ready"], span["launch"])}})
+    return out
+
+
+def _gap_us(a, b):
+    return None if a is None or b is None else (b - a) / 1e3
+
+
+def write_chrome_trace(path: str, events_by_rank: dict) -> None:
+    """One trace file for several ranks (pid = rank), on a common time origin."""
+    t0 = min((e[1] for events in events_by_rank.values() for e in events), default=0)
+    merged = [ev for rank, events in events_by_rank.items() for ev in trace_events(events, rank, t0)]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": merged, "displayTimeUnit": "ms"}, f)
+
+
+def plot_timelines(path: str, events_by_rank: dict, title: str = "") -> None:
+    """A PNG with one panel per rank: step phases, gradient-ready ticks, one bar per bucket's all-reduce."""
+    import matplotlib  # lazily: recording never needs it
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min((e[1] for events in events_by_rank.values() for e in events), default=0)
+    n_buckets = max((s["bucket"] + 1 for ev in events_by_rank.values() for s in bucket_spans(ev)), default=0)
+    lanes = 2 + n_buckets
+    fig, axes = plt.subplots(len(events_by_rank), 1, sharex=True, squeeze=False,
+                             figsize=(10, 0.9 + 0.42 * lanes * len(events_by_rank)))
+    for ax, (rank, events) in zip(axes[:, 0], events_by_rank.items()):
+        _draw_rank(ax, events, t0, n_buckets, _bucket_colors(plt, n_buckets))
+        ax.set_ylabel(f"rank {rank}", fontsize=9)
+    axes[-1, 0].set_xlabel("time since the first event, ms")
+    axes[0, 0].legend(loc="upper left", fontsize=7, ncol=4, framealpha=0.8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _bucket_colors(plt, n_buckets):
+    """Bucket b -> a colour from a sequential map, distinct from the pale colours of the step phases."""
+    cmap = plt.get_cmap("viridis")
+    return lambda b: cmap(0.85 * b / max(1, n_buckets - 1))
+
+
+def _draw_rank(ax, events, t0, n_buckets, color) -> None:
+    """Lanes, top to bottom: step phases, gradients ready (coloured by bucket), bucket 0, 1, ..."""
+    ms = lambda ns: (ns - t0) / 1e6  # noqa: E731 - a one-line unit conversion
+    phase_colors = {"forward": "#c7e9c0", "backward": "#fdd0a2", "optimizer": "#dadaeb"}
+    for name, start, end in _step_spans(events):
+        ax.barh(0, ms(end) - ms(start), left=ms(start), height=0.6, label=name.split(" ")[0],
+                color=phase_colors.get(name, "lightgray"), edgecolor="black", linewidth=0.3)
+    ticks = [(ms(stamp), f["bucket"]) for kind, stamp, f in events if kind == "grad_ready"]
+    ax.scatter([t for t, _ in ticks], [1] * len(ticks), marker="|", s=120,
+               c=[color(b) for _, b in ticks], linewidths=0.8)
+    for span in bucket_spans(events):
+        y = 2 + span["bucket"]
+        if span["done"] is not None:
+            ax.barh(y, ms(span["done"]) - ms(span["launch"]), left=ms(span["launch"]), height=0.6,
+                    color=color(span["bucket"]), edgecolor="black", linewidth=0.3)
+        if span["last_ready"] is not None:
+            ax.plot([ms(span["last_ready"])], [y], marker=">", color="black", markersize=4)
+    ax.set_yticks(range(2 + n_buckets), ["step", "grads ready"] + [f"bucket {b}" for b in range(n_buckets)],
+                  fontsize=8)
+    ax.set_ylim(1.6 + n_buckets, -0.6)  # first lane on top
+    ax.grid(axis="x", alpha=0.3)

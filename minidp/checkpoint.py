@@ -1,0 +1,174 @@
+"""Checkpoints that resume exactly: model, optimizer, scheduler, sampler position, step, every rank's RNG.
+
+File format: a 96-byte header (magic, payload length, SHA-256 of the payload) followed by a
+`torch.save` payload. Loading checks the length and the hash before unpickling, so a truncated or
+corrupt file is rejected with a clear error; the payload holds only tensors and plain Python
+values, so it loads with `weights_only=True`.
+
+Rank 0 writes: to a temporary file in the same folder, fsync, then an atomic rename over `path`.
+Until that rename the previous checkpoint stays whole at `path`; it is also kept as `path.prev`.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import random
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MAGIC = b"MINIDPCK"
+HEADER_BYTES = 8 + 16 + 64 + 8  # magic, hex length, hex sha256, padding
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+
+
+def rng_state() -> dict:
+    """This process's random generators, in weights_only-loadable form."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss)
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _gather_rng_states() -> list:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [rng_state()]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, rng_state())  # ranks meet here
+    return states
+
+
+def save_checkpoint(path, model, optimizer=None, scheduler=None, sampler=None, step: int = 0,
+                    epoch: int = 0, extra: dict | None = None) -> None:
+    """Write a checkpoint from rank 0; every rank must call it (it gathers RNG states).
+
+    Args:
+        path: the file to write (str or PathLike). Its folder must exist.
+        model: the model, wrapped (minidp.DDP or torch DDP) or not; the unwrapped state is stored.
+        optimizer, scheduler: their state_dict()s are stored when given. Default None.
+        sampler: a minidp.DistributedSampler; its position in the epoch is stored. Default None.
+        step, epoch: counters to resume from. Default 0.
+        extra: any other plain values (numbers, strings, tensors, lists, dicts). Default None.
+    """
+    path = _check_path(path)
+    _check_save_args(model, optimizer, step, epoch)
+    payload = {
+        "model": _unwrap(model).state_dict(),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "sampler": sampler.state_dict() if sampler is not None else None,
+        "step": step, "epoch": epoch, "extra": extra or {},
+        "rng": _gather_rng_states(),
+    }
+    if _rank() == 0:
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        _write_atomically(path, buffer.getvalue())
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # ranks meet here: nobody goes on (or loads) before the file is complete
+
+
+def load_checkpoint(path, model, optimizer=None, scheduler=None, sampler=None, map_location="cpu") -> dict:
+    """Restore what save_checkpoint stored, including this rank's RNG state; returns the whole payload.
+
+    Raises:
+        ValueError: the file is not a minidp checkpoint, is truncated, or fails its hash.
+    """
+    path = _check_path(path)
+    payload = torch.load(io.BytesIO(read_verified(path)), map_location=map_location, weights_only=True)
+    _unwrap(model).load_state_dict(payload["model"])
+    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("sampler", sampler)):
+        if obj is not None:
+            if payload[name] is None:
+                raise ValueError(f"{name}: checkpoint {path!r} holds no {name} state")
+            obj.load_state_dict(payload[name])
+    rngs, rank = payload["rng"], _rank()
+    if len(rngs) == _world_size():
+        set_rng_state(rngs[rank])
+    return payload
+
+
+def read_verified(path: str) -> bytes:
+    """The payload of a checkpoint file, after checking magic, length and SHA-256."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < HEADER_BYTES or data[:8] != MAGIC:
+        raise ValueError(f"checkpoint {path!r} is not a minidp checkpoint or its header is cut "
+                         f"({len(data)} bytes)")
+    length, digest = int(data[8:24], 16), data[24:88].decode()
+    body = data[HEADER_BYTES:]
+    if len(body) != length:
+        raise ValueError(f"checkpoint {path!r} is truncated or padded: payload is {len(body)} bytes, "
+                         f"header says {length}; use the previous checkpoint ({path}.prev)")
+    if hashlib.sha256(body).hexdigest() != digest:
+        raise ValueError(f"checkpoint {path!r} is corrupt: SHA-256 mismatch; use the previous "
+                         f"checkpoint ({path}.prev)")
+    return body
+
+
+def _write_atomically(path: str, body: bytes) -> None:
+    header = MAGIC + f"{len(body):016x}".encode() + hashlib.sha256(body).hexdigest().encode() + b"\n" * 8
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(header + body)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(path):  # keep the previous one; `path` itself is never missing or partial
+        prev_tmp = f"{path}.prevtmp{os.getpid()}"
+        os.link(path, prev_tmp)
+        os.replace(prev_tmp, f"{path}.prev")
+    os.replace(tmp, path)
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def _check_path(path) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path={path!r} must be a str or os.PathLike")
+    return os.fspath(path)
+
+
+def _check_save_args(model, optimizer, step, epoch) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model={type(model).__name__} must be a torch.nn.Module")
+    if optimizer is not None and not hasattr(optimizer, "state_dict"):
+        raise TypeError(f"optimizer={type(optimizer).__name__} has no state_dict()")
+    for name, value in (("step", step), ("epoch", epoch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r} must be a non-negative int")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
