@@ -3,7 +3,7 @@
 Trains examples/train_torchvision.py twice with 2 CPU worker processes (gloo), on the same
 synthetic data with the same seed: a ResNet-18 with the CIFAR stem and base width 16 (0.7 M
 parameters) on 1500 training images of 32x32 in 10 classes (shapes and colours plus noise),
-3 epochs of 23 steps (2 workers x 32 images), SGD with momentum, lr 0.05 scaled to 0.1 by linear
+4 epochs of 23 steps (2 workers x 32 images), SGD with momentum, lr 0.05 scaled to 0.1 by linear
 warm-up over the first epoch, then cosine decay. Then it prints:
   * the validation accuracy of each run, on 500 held-out images, counted exactly over the ranks;
   * the largest absolute difference between the two runs' final weights and BatchNorm statistics
@@ -23,7 +23,7 @@ import torch
 import train_torchvision
 
 ENGINES = ("minidp", "ddp")
-SETTINGS = ["--nproc-per-node", "2", "--epochs", "3", "--batch-size", "32", "--width", "16",
+SETTINGS = ["--nproc-per-node", "2", "--epochs", "4", "--batch-size", "32", "--width", "16",
             "--image-size", "32", "--train-per-class", "150", "--val-per-class", "50", "--seed", "0"]
 
 

@@ -27,14 +27,18 @@ import minidp
 WARM_STEPS = 5  # first steps left out of the median step time (bucket rebuild, allocator warm-up)
 
 
-def build_loaders(args, env: minidp.DistEnv) -> common.Loaders:
-    """ImageFolder train/val sets; training sharded with padding, validation exact (pad=False)."""
-    root = common.data_root(args)
-    resize = [transforms.Resize(args.image_size), transforms.CenterCrop(args.image_size)]
+def image_folders(root: str, image_size: int):
+    """(train, val) ImageFolders: shorter side resized, centre crop, flips for training, normalized."""
+    resize = [transforms.Resize(image_size), transforms.CenterCrop(image_size)]
     tail = [transforms.ToTensor(), transforms.Normalize(common.MEAN, common.STD)]
     train_set = datasets.ImageFolder(os.path.join(root, "train"),
                                      transforms.Compose([*resize, transforms.RandomHorizontalFlip(), *tail]))
-    val_set = datasets.ImageFolder(os.path.join(root, "val"), transforms.Compose([*resize, *tail]))
+    return train_set, datasets.ImageFolder(os.path.join(root, "val"), transforms.Compose([*resize, *tail]))
+
+
+def build_loaders(args, env: minidp.DistEnv) -> common.Loaders:
+    """ImageFolder train/val sets; training sharded with padding, validation exact (pad=False)."""
+    train_set, val_set = image_folders(common.data_root(args), args.image_size)
     sampler = minidp.DistributedSampler(train_set, seed=args.seed)
     val_sampler = minidp.DistributedSampler(val_set, shuffle=False, pad=False)  # each image on one rank
     pin = env.device.type == "cuda"
