@@ -1,0 +1,166 @@
+"""minidp against torch DDP, side by side, in the same processes: step time, limits, construction, memory.
+
+    python benchmarks/compare_ddp.py            # full run on this machine (minutes)
+    python benchmarks/compare_ddp.py --quick --out /tmp/bench   # tiny sizes, seconds (the smoke test)
+    python benchmarks/compare_ddp.py --device cuda              # NCCL, one process per GPU
+    python benchmarks/compare_ddp.py --device cuda --backend gloo --world-sizes 1,2  # ranks share a GPU
+
+Writes OUT/results/compare_ddp_<device>.json (every raw step time), OUT/results/step_times_<device>.png
+and the tables into OUT/RESULTS.md (between markers, so hand-written notes around them survive).
+OUT defaults to this folder (benchmarks/). How the numbers are taken: see measure.py and memory.py.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import report  # noqa: E402 - after the path set-up above, as in every script of this folder
+import worker  # noqa: E402
+import workloads  # noqa: E402
+
+FULL = {"rounds": 8, "steps": 4, "warmup": 3, "constructions": 5, "sweep_rounds": 4, "memory_steps": 8}
+QUICK = {"rounds": 2, "steps": 2, "warmup": 3, "constructions": 2, "sweep_rounds": 1, "memory_steps": 4}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny models, few steps: a smoke run of seconds")
+    p.add_argument("--out", default=HERE, help="folder for RESULTS.md and results/ (default: benchmarks/)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--backend", choices=("gloo", "nccl"), help="default: gloo on cpu, nccl on cuda")
+    p.add_argument("--world-sizes", help="comma-separated (default: 1,2 on cpu; 1..#GPUs on cuda)")
+    p.add_argument("--workloads", default=",".join(workloads.NAMES))
+    p.add_argument("--bucket-caps", help="bucket_cap_mb sweep, '' to skip (default 1,5,25,100; quick 1,100)")
+    p.add_argument("--sweep-workloads", help="workloads of the sweep (default mlp,resnet18; quick mlp)")
+    p.add_argument("--no-memory", action="store_true", help="skip the per-engine memory processes")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    for name in FULL:
+        p.add_argument("--" + name.replace("_", "-"), type=int, help=f"default {FULL[name]} ({QUICK[name]} quick)")
+    args = p.parse_args(argv)
+    for name in FULL:
+        if getattr(args, name) is None:
+            setattr(args, name, (QUICK if args.quick else FULL)[name])
+    if args.bucket_caps is None:
+        args.bucket_caps = "1,100" if args.quick else "1,5,25,100"
+    if args.sweep_workloads is None:
+        args.sweep_workloads = "mlp" if args.quick else "mlp,resnet18"
+    args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    args.world_sizes = [int(w) for w in (args.world_sizes or default_world_sizes(args)).split(",")]
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.bucket_caps = [float(c) for c in args.bucket_caps.split(",") if c]
+    args.sweep_workloads = [w for w in args.sweep_workloads.split(",") if w in args.workloads]
+    check_args(args)
+    return args
+
+
+def default_world_sizes(args) -> str:
+    if args.device == "cuda":
+        import torch
+        return ",".join(str(w) for w in range(1, max(1, torch.cuda.device_count()) + 1))
+    return "1,2"
+
+
+def check_args(args) -> None:
+    unknown = set(args.workloads) - set(workloads.NAMES)
+    if unknown:
+        raise SystemExit(f"--workloads: unknown {sorted(unknown)}; choose from {workloads.NAMES}")
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
+        if args.backend == "nccl" and max(args.world_sizes) > torch.cuda.device_count():
+            raise SystemExit(f"--backend nccl needs one GPU per rank: world size {max(args.world_sizes)} > "
+                             f"{torch.cuda.device_count()} GPU(s); use --backend gloo to share a GPU")
+    elif args.backend == "nccl":
+        raise SystemExit("--backend nccl needs --device cuda")
+
+
+def job(args, kind: str, workload: str, cap=None, gbv=False, **extra) -> dict:
+    base = {"kind": kind, "workload": workload, "quick": args.quick, "bucket_cap_mb": cap, "gbv": gbv}
+    if kind == "memory":
+        return {**base, "steps": args.memory_steps, **extra}
+    return {**base, "warmup": args.warmup, "rounds": args.rounds, "steps": args.steps,
+            "constructions": args.constructions, "limits": False, **extra}
+
+
+def plan_timing(args, world_size: int) -> list[dict]:
+    """Defaults (with limits) at every world size; gbv=True and the cap sweep at the largest."""
+    jobs = [job(args, "timing", w, limits=True) for w in args.workloads]
+    if world_size == max(args.world_sizes):
+        variant = {"rounds": args.sweep_rounds, "constructions": 1}
+        jobs += [job(args, "timing", w, gbv=True, **variant) for w in args.workloads]
+        jobs += [job(args, "timing", w, cap=c, **variant) for w in args.sweep_workloads for c in args.bucket_caps]
+    return jobs
+
+
+def plan_memory(args) -> list[dict]:
+    """One launch per (workload, gbv, engine) at the largest world size; quick: the first workload only."""
+    if args.no_memory:
+        return []
+    names = args.workloads[:1] if args.quick else args.workloads
+    gbvs = (False,) if args.quick else (False, True)
+    return [job(args, "memory", w, gbv=g, engine=e) for w in names for g in gbvs for e in report.ENGINE_LABEL]
+
+
+def machine(args) -> dict:
+    """What ran the benchmark, for the record."""
+    import torch
+    cpu = platform.processor() or platform.machine()
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("Model name")), cpu)
+    except (OSError, subprocess.SubprocessError):
+        pass  # lscpu is a nicety; platform's answer will do
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"), "cpu": cpu,
+            "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__, "device": args.device,
+            "backend": args.backend, "world_sizes": args.world_sizes, "threads": args.threads,
+            "command": "python benchmarks/compare_ddp.py " + shlex.join(sys.argv[1:]),
+            **{k: getattr(args, k) for k in FULL}}
+
+
+def run_all(args) -> tuple[list[dict], list[dict]]:
+    """Every timing launch (one per world size), then every memory launch (one per engine and setting)."""
+    timing, memory = [], []
+    for world_size in args.world_sizes:
+        jobs = plan_timing(args, world_size)
+        print(f"world size {world_size}: {len(jobs)} timing jobs", flush=True)
+        timing += worker.run_jobs(jobs, world_size, args.backend, args.device, args.threads)
+    memory_world = max(args.world_sizes)
+    for one in plan_memory(args):
+        memory += worker.run_jobs([one], memory_world, args.backend, args.device, args.threads)
+    for result in timing:
+        result["derived"] = report.derive(result)
+    return timing, memory
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    timing, memory = run_all(args)
+    results_dir = os.path.join(args.out, "results")
+    os.makedirs(results_dir, exist_ok=True)
+    meta = {**machine(args), "wall_s": round(time.perf_counter() - started, 1),
+            "plot": f"results/step_times_{args.device}.png"}
+    with open(os.path.join(results_dir, f"compare_ddp_{args.device}.json"), "w") as f:
+        json.dump({"meta": meta, "timing": timing, "memory": memory}, f, indent=1)
+    report.plot_step_times(timing, os.path.join(args.out, meta["plot"]))
+    text = report.section(meta, timing, memory)
+    report.write_section(os.path.join(args.out, "RESULTS.md"), args.device, text)
+    print(text)
+    print(f"\nwrote {args.out}/RESULTS.md and {results_dir}/ in {meta['wall_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
