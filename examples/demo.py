@@ -22,6 +22,7 @@ import time
 import torch
 import train_torchvision
 
+WARM = train_torchvision.WARM_STEPS + 1  # first step counted in the median (1-based)
 ENGINES = ("minidp", "ddp")
 SETTINGS = ["--nproc-per-node", "2", "--epochs", "4", "--batch-size", "32", "--width", "16",
             "--image-size", "32", "--train-per-class", "150", "--val-per-class", "50", "--seed", "0"]
@@ -61,8 +62,9 @@ def print_report(reports: dict, wall_s: float) -> None:
     print(f"{'final training loss':28s}{last['minidp']['train_loss']:>12.4f}{last['ddp']['train_loss']:>12.4f}")
     print(f"{'median step time':28s}{ms['minidp']:>10.1f}ms{ms['ddp']:>10.1f}ms   ({mine['steps']} steps each)")
     verdict = "bitwise equal" if diff == 0 else "not bitwise equal"
-    print(f"max |parameter difference| minidp vs DDP: {diff:.3g} over {n} tensors ({verdict})")
-    print(f"step-time ratio minidp/DDP: {ms['minidp'] / ms['ddp']:.2f}")
+    print(f"max |parameter difference| minidp vs DDP: {diff:.3g} ({verdict}; {n} weight and BatchNorm tensors)")
+    print(f"step-time ratio minidp/DDP: {ms['minidp'] / ms['ddp']:.2f}   (median of steps {WARM}..{mine['steps']}; "
+          "wall-clock, so other load on the machine moves it)")
     print(f"demo wall time: {wall_s:.0f} s")
 
 

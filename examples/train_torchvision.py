@@ -57,8 +57,9 @@ def train_one_epoch(model, opt, sched, loaders: common.Loaders, env, epoch: int,
     """One pass over this rank's shard (at most loaders.steps_per_epoch steps); loss summed over ranks."""
     cuda = env.device.type == "cuda"
     loss_sum, count = torch.zeros((), device=env.device), 0
+    # Rank 0 only; disable=None also turns the bar off when stderr is not a terminal (logs stay clean).
     bar = tqdm(total=loaders.steps_per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
-               disable=not minidp.is_main(), dynamic_ncols=True)
+               disable=None if minidp.is_main() else True, dynamic_ncols=True)
     for step, (images, labels) in enumerate(loaders.train):
         if step == loaders.steps_per_epoch:
             break
