@@ -132,22 +132,32 @@ def read_verified(path: str) -> bytes:
 
 def _write_atomically(path: str, body: bytes) -> None:
     header = MAGIC + f"{len(body):016x}".encode() + hashlib.sha256(body).hexdigest().encode() + b"\n" * 8
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(header + body)
-        f.flush()
-        os.fsync(f.fileno())
-    if os.path.exists(path):  # keep the previous one; `path` itself is never missing or partial
-        prev_tmp = f"{path}.prevtmp{os.getpid()}"
-        os.link(path, prev_tmp)
-        os.replace(prev_tmp, f"{path}.prev")
-    os.replace(tmp, path)
-    dir_fd = os.open(folder, os.O_RDONLY)
+    tmp, prev_tmp = f"{path}.tmp{os.getpid()}", f"{path}.prevtmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header + body)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(path):  # keep the previous one; `path` itself is never missing or partial
+            _remove(prev_tmp)
+            os.link(path, prev_tmp)
+            os.replace(prev_tmp, f"{path}.prev")
+        os.replace(tmp, path)
+    finally:  # after a failure, leave no half-written temporary behind
+        _remove(tmp)
+        _remove(prev_tmp)
+    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def _check_path(path) -> str:
