@@ -58,10 +58,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         _check_flags(broadcast_buffers=broadcast_buffers, init_sync=init_sync,
                      find_unused_parameters=find_unused_parameters,
                      gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group={process_group!r} must be a torch.distributed.ProcessGroup or None")
+        self.device_ids = _check_device_ids(module, device_ids)
         if not dist.is_initialized():
             raise RuntimeError("minidp.DDP needs a process group: call minidp.init() first")
         self.module, self.process_group, self.dim = module, process_group, dim
-        self.device_ids = _check_device_ids(module, device_ids)
         self.output_device = output_device
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph

@@ -17,6 +17,7 @@ from typing import Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
+KNOWN_BACKENDS = {"gloo", "nccl", "mpi", "ucc"}
 DEFAULT_TIMEOUT_S = 1800.0  # torch's own default for the collective timeout
 
 # (name in DistEnv, torchrun variable, SLURM variable)
@@ -74,7 +75,10 @@ def resolve_env(environ: Optional[Mapping[str, str]] = None, **explicit) -> Dist
     values = {}
     for name, torchrun_var, slurm_var in _SOURCES:
         if explicit.get(name) is not None:
-            values[name] = _as_int(explicit[name], name, "argument")
+            value = explicit[name]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}={value!r} must be an int")
+            values[name] = value
         elif torchrun_var in environ:
             values[name] = _as_int(environ[torchrun_var], name, torchrun_var)
         elif use_slurm and slurm_var in environ:
@@ -169,6 +173,10 @@ def init(
         node_rank=node_rank, master_addr=master_addr, master_port=master_port,
     )
     backend = backend or default_backend()
+    if not isinstance(backend, str) or backend.lower() not in KNOWN_BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {sorted(KNOWN_BACKENDS)} (or None: NCCL with "
+                         "CUDA, else gloo)")
+    backend = backend.lower()
     timeout = _as_timedelta(timeout)
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError(f"backend={backend!r} needs CUDA, and torch.cuda.is_available() is False")

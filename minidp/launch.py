@@ -55,6 +55,18 @@ def check_topology(nprocs, nnodes, node_rank, master_addr) -> None:
         raise ValueError(f"master_addr={master_addr!r} with nnodes={nnodes}: give the address of node 0")
 
 
+def _check_launch_args(fn, args, master_port, timeout) -> None:
+    if not callable(fn):
+        raise TypeError(f"fn={fn!r} must be a callable fn(local_rank, *args) (for a script, use minidp.run)")
+    if not isinstance(args, tuple):
+        raise TypeError(f"args={args!r} must be a tuple of extra arguments for fn")
+    if master_port is not None and (isinstance(master_port, bool) or not isinstance(master_port, int)
+                                    or not 0 < master_port < 65536):
+        raise ValueError(f"master_port={master_port!r} must be an int in (0, 65536)")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (or None)")
+
+
 def worker_env(local_rank, nprocs, nnodes, node_rank, master_addr, master_port) -> Dict[str, str]:
     """The variables torchrun sets for one worker."""
     return {
@@ -268,6 +280,7 @@ def launch(
         minidp.launch(train, nprocs=2)
     """
     check_topology(nprocs, nnodes, node_rank, master_addr)
+    _check_launch_args(fn, args, master_port, timeout)
     if master_port is None:
         if nnodes > 1:
             raise ValueError(f"master_port=None with nnodes={nnodes}: every node must be given the same port")

@@ -49,6 +49,8 @@ def all_reduce_sums(values: Mapping[str, Number], group: Optional[dist.ProcessGr
         sums = minidp.all_reduce_sums({"correct": correct, "count": count})
         accuracy = sums["correct"] / sums["count"]
     """
+    if not isinstance(values, Mapping):
+        raise TypeError(f"values={values!r} must be a mapping of name -> number, e.g. {{'correct': 3}}")
     names = sorted(values)  # one fixed order on every rank, whatever order the dict was built in
     if not names:
         return {}

@@ -55,6 +55,8 @@ def get_logger(name: str = "minidp", level: int = logging.INFO) -> logging.Logge
     Example:
         log = minidp.get_logger(); log.info("epoch %d", epoch)   # [rank 1] epoch 3
     """
+    if not isinstance(name, str):
+        raise TypeError(f"name={name!r} must be a str")
     logger = logging.getLogger(name)
     if not any(getattr(h, "_minidp", False) for h in logger.handlers):
         handler = logging.StreamHandler()
@@ -67,8 +69,14 @@ def get_logger(name: str = "minidp", level: int = logging.INFO) -> logging.Logge
     return logger
 
 
+def _check_group(group) -> None:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group={group!r} must be a torch.distributed.ProcessGroup or None (the world)")
+
+
 def barrier(group: Optional[dist.ProcessGroup] = None) -> None:
     """Wait until every rank of `group` (default: the world) gets here; a no-op without a group."""
+    _check_group(group)
     if dist.is_available() and dist.is_initialized():
         dist.barrier(group=group)  # ranks meet here
 
@@ -84,6 +92,7 @@ def local_rank_zero_first(group: Optional[dist.ProcessGroup] = None) -> Iterator
         with minidp.local_rank_zero_first():
             train_set = torchvision.datasets.CIFAR10(root, download=True)
     """
+    _check_group(group)
     first = get_local_rank() == 0
     if not first:
         barrier(group)  # ranks meet here: wait for local rank 0 of every node to finish the block
