@@ -33,17 +33,26 @@ DEFAULT_WD = {"sgd": 5e-4, "lars": 5e-4, "lamb": 0.01}
 TINY = dict(train_per_class=6, val_per_class=2, image_size=16, width=8, batch_size=4, epochs=1, max_steps=3)
 
 
+def positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def parse_args(description: str, argv=None) -> argparse.Namespace:
     """The options both examples share (see the README); --tiny changes the defaults only."""
     p = argparse.ArgumentParser(description=description)
     launch = p.add_argument_group("launch (ignored under torchrun / python -m minidp.run)")
-    launch.add_argument("--nproc-per-node", type=int, default=2, help="worker processes on this node")
-    launch.add_argument("--nnodes", type=int, default=1)
+    launch.add_argument("--nproc-per-node", type=positive, default=torch.cuda.device_count() or 2,
+                        help="worker processes on this node (default: one per GPU, else 2)")
+    launch.add_argument("--nnodes", type=positive, default=1)
     launch.add_argument("--node-rank", type=int, default=0)
     launch.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
     launch.add_argument("--master-port", type=int, default=None, help="default: a free port (one node only)")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=32, help="images per worker per step")
+    p.add_argument("--epochs", type=positive, default=3)
+    p.add_argument("--batch-size", type=positive, default=32, help="images per worker per step")
     p.add_argument("--lr", type=float, default=None, help=f"base lr for one worker, default {DEFAULT_LR}; "
                    "scaled by the world size (sqrt for lamb) after a linear warm-up")
     p.add_argument("--warmup-epochs", type=float, default=1.0)
@@ -52,13 +61,14 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all workers")
     p.add_argument("--data", default=None, help="ImageFolder root with train/ and val/ sub-folders; "
                    "default: a synthetic 10-class set written once per node under --synthetic-dir")
-    p.add_argument("--synthetic-dir", default=None, help="default: a folder in the system temp dir")
-    p.add_argument("--train-per-class", type=int, default=300, help="synthetic training images per class")
-    p.add_argument("--val-per-class", type=int, default=60, help="synthetic validation images per class")
-    p.add_argument("--image-size", type=int, default=32, help="side of the synthetic images and of the crop")
-    p.add_argument("--width", type=int, default=64, help="ResNet-18 base width (64 is the standard net)")
+    p.add_argument("--synthetic-dir", default=None, help="where the synthetic set goes "
+                   "(default: the system temp dir), in minidp-synthetic-<size>px-<train>x<val>-seed<seed>/")
+    p.add_argument("--train-per-class", type=positive, default=300, help="synthetic training images per class")
+    p.add_argument("--val-per-class", type=positive, default=60, help="synthetic validation images per class")
+    p.add_argument("--image-size", type=positive, default=32, help="side of the synthetic images and of the crop")
+    p.add_argument("--width", type=positive, default=64, help="ResNet-18 base width (64 is the standard net)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, default=None, help="stop each epoch after this many steps")
+    p.add_argument("--max-steps", type=positive, default=None, help="stop each epoch after this many steps")
     p.add_argument("--checkpoint", default=None, help="folder for epoch<e>.pt, written by rank 0")
     p.add_argument("--report", default=None, help="JSON summary written by rank 0 (used by the demo)")
     p.add_argument("--tiny", action="store_true", help=f"test preset: {TINY}")
