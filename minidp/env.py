@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import socket
 from typing import Mapping, Optional, Union
 
 import torch
@@ -190,11 +191,35 @@ def init(
         # A world of one needs no network: an in-memory store will do.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        # Ranks meet here: rank 0 hosts the TCP store, the others connect to it.
-        url = f"tcp://{spec.master_addr}:{spec.master_port}"
-        dist.init_process_group(backend, init_method=url, rank=spec.rank, world_size=spec.world_size,
-                                timeout=timeout)
+        # Ranks meet here: rank 0 hosts the rendezvous store, the others connect to it.
+        dist.init_process_group(backend, store=_rendezvous_store(spec, timeout), rank=spec.rank,
+                                world_size=spec.world_size, timeout=timeout)
     return dataclasses.replace(spec, device=device, backend=backend)
+
+
+def _rendezvous_store(spec: DistEnv, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The TCP key-value store the ranks meet through; rank 0's listens on master_addr only.
+
+    Why not init_method="tcp://...": torch's store server then listens on every interface; a
+    socket bound to master_addr (127.0.0.1 on one node) keeps the rendezvous off the network.
+    """
+    if spec.rank != 0:
+        return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in spec.master_addr else socket.AF_INET
+    try:
+        server = socket.create_server((spec.master_addr, spec.master_port), family=family, backlog=1024)
+    except OSError as exc:
+        raise RuntimeError(f"rank 0 cannot listen on master_addr={spec.master_addr!r} "
+                           f"master_port={spec.master_port}: {exc}") from exc
+    try:
+        return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, True, timeout,
+                             wait_for_workers=False, master_listen_fd=server.fileno())
+    except TypeError:  # an older torch without master_listen_fd: its server listens everywhere
+        server.close()
+        return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, True, timeout)
+    finally:
+        if server.fileno() >= 0:
+            server.detach()  # the store owns the listening socket now
 
 
 def _export(spec: DistEnv) -> None:

@@ -123,6 +123,7 @@ def test_cli_sets_torchrun_environment(tmp_path):
         assert rep["env"]["MASTER_ADDR"] == "127.0.0.1"
         assert rep["sum"] == 3.0 and rep["argv"] == [str(tmp_path), "--flag"] and rep["name"] == "__main__"
     assert reports[0]["env"]["MASTER_PORT"] == reports[1]["env"]["MASTER_PORT"]
+    assert reports[0]["listen"] == ["127.0.0.1"]  # the rendezvous is not exposed on other interfaces
     assert proc.stdout.count("printed once by rank 0") == 1
     assert "[rank 0] hello from the logger" in proc.stderr
     assert "[rank 1] hello from the logger" in proc.stderr
