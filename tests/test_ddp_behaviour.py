@@ -175,3 +175,24 @@ def test_dropin_state_dict_keys_kwargs_and_subgroup():
     results = run_ranks(_dropin_worker, 3, timeout=200)
     assert all(keys_equal for keys_equal, _ in results)
     assert results[0][1] is True and results[1][1] is True and results[2][1] is None
+
+
+def _nccl_worker():
+    device = torch.device("cuda", torch.cuda.current_device())
+    results = []
+    for engine in (minidp.DDP, TorchDDP):
+        model = engine(build("cnn_bn").to(device), device_ids=[device.index])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        torch.manual_seed(3)
+        for _ in range(5):
+            model(torch.randn(4, 3, 4, 4)).pow(2).mean().backward()  # inputs moved by device_ids
+            opt.step()
+            opt.zero_grad()
+        results.append([p.detach().cpu() for p in model.parameters()])
+    return dist.get_backend(), all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.gpu
+def test_nccl_on_one_gpu_equals_torch_ddp():
+    backend, equal = run_ranks(_nccl_worker, 1)[0]
+    assert backend == "nccl" and equal
