@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -284,14 +284,13 @@ def evaluate(module: nn.Module, batches: Iterable, device: torch.device) -> dict
     return minidp.all_reduce_sums({"correct": correct, "count": count, "loss_sum": loss_sum})  # ranks meet
 
 
-def save_checkpoint(folder: str, epoch: int, state: dict) -> Optional[str]:
-    """Rank 0 writes folder/epoch<epoch>.pt atomically (temp file + os.replace); others return None."""
-    if not minidp.is_main():
-        return None
+def save_checkpoint(folder: str, epoch: int, model, opt, sched, extra: dict) -> str:
+    """Every rank calls it (minidp.save_checkpoint gathers RNG states); rank 0 writes folder/epoch<epoch>.pt.
+
+    minidp.save_checkpoint writes atomically (temp file, fsync, rename) with a SHA-256 the loader checks;
+    read it back with minidp.load_checkpoint(path, model, ...).
+    """
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"epoch{epoch}.pt")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".epoch", suffix=".tmp")
-    os.close(fd)
-    torch.save({**state, "epoch": epoch}, tmp)
-    os.replace(tmp, path)  # a reader never sees a half-written checkpoint
+    minidp.save_checkpoint(path, model, opt, sched, epoch=epoch, extra=extra)  # ranks meet here
     return path

@@ -107,8 +107,7 @@ def fit(args, env: minidp.DistEnv, loaders: common.Loaders) -> dict:
             epoch + 1, args.epochs, history[-1]["train_loss"], history[-1]["val_loss"],
             history[-1]["val_accuracy"], val["count"]))
         if args.checkpoint:
-            path = common.save_checkpoint(args.checkpoint, epoch, {
-                "model": model.module.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            path = common.save_checkpoint(args.checkpoint, epoch, model, opt, sched, {
                 **loaders.state(loaders.steps_per_epoch), "args": vars(args), "metrics": history[-1]})
     timed = step_times[WARM_STEPS:] if len(step_times) > 2 * WARM_STEPS else step_times
     return dict(engine=args.engine, world_size=env.world_size, steps=len(step_times), history=history,

@@ -223,7 +223,13 @@ def _rendezvous_store(spec: DistEnv, timeout: datetime.timedelta) -> dist.TCPSto
 
 
 def _export(spec: DistEnv) -> None:
-    """Leave the resolved identity in the environment, as torchrun does, for the rank helpers."""
+    """Leave the resolved identity in the environment, as torchrun does, for the rank helpers.
+
+    Not in a world of one: there the helpers need nothing, and a RANK variable would make later
+    "am I under a launcher?" checks (and child processes) believe there is one.
+    """
+    if spec.world_size == 1:
+        return
     os.environ.update(
         RANK=str(spec.rank), LOCAL_RANK=str(spec.local_rank), WORLD_SIZE=str(spec.world_size),
         LOCAL_WORLD_SIZE=str(spec.local_world_size), GROUP_RANK=str(spec.node_rank),

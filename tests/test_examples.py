@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import minidp
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 sys.path.insert(0, EXAMPLES)
@@ -48,12 +50,11 @@ def test_torchvision_spawned_and_checkpoint_reloads(tmp_path):
     (record,) = out["history"]
     assert record["val_count"] == 20 and torch.isfinite(torch.tensor(record["train_loss"]))
 
-    ckpt = torch.load(out["checkpoint"], map_location="cpu", weights_only=False)
-    assert out["checkpoint"] == str(tmp_path / "ckpt" / "epoch0.pt") and ckpt["epoch"] == 0
-    assert {"model", "optimizer", "scheduler", "sampler", "args", "metrics"} <= set(ckpt)
-    assert ckpt["sampler"]["consumed"] == 3 * 4 and ckpt["scheduler"]["last_epoch"] == 3
     model = common.resnet18_cifar(10, width=common.TINY["width"])
-    model.load_state_dict(ckpt["model"], strict=True)
+    ckpt = minidp.load_checkpoint(out["checkpoint"], model)  # verified, weights_only, strict
+    assert out["checkpoint"] == str(tmp_path / "ckpt" / "epoch0.pt") and ckpt["epoch"] == 0
+    assert {"sampler", "args", "metrics"} <= set(ckpt["extra"]) and ckpt["optimizer"] is not None
+    assert ckpt["extra"]["sampler"]["consumed"] == 3 * 4 and ckpt["scheduler"]["last_epoch"] == 3
     # Rank 0's weights and statistics, evaluated in one process, give the accuracy the 2 ranks reported.
     (root,) = [e.path for e in os.scandir(tmp_path / "data") if e.name.startswith("minidp-synthetic-")]
     _, val_set = train_torchvision.image_folders(root, common.TINY["image_size"])
@@ -79,8 +80,7 @@ def test_dali_spawned_exact_validation_with_an_empty_batch(tmp_path):
     out = run_example(tmp_path, "train_dali.py", "--data", str(root), "--optimizer", "lamb",
                       "--checkpoint", str(tmp_path / "ckpt"))
     assert out["steps"] == 3 and out["history"][0]["val_count"] == 17
-    ckpt = torch.load(out["checkpoint"], map_location="cpu", weights_only=False)
-    common.resnet18_cifar(10, width=common.TINY["width"]).load_state_dict(ckpt["model"], strict=True)
+    minidp.load_checkpoint(out["checkpoint"], common.resnet18_cifar(10, width=common.TINY["width"]))
 
 
 def _args(tmp_path, **kw):
