@@ -28,8 +28,10 @@ import report  # noqa: E402 - after the path set-up above, as in every script of
 import worker  # noqa: E402
 import workloads  # noqa: E402
 
-FULL = {"rounds": 8, "steps": 4, "warmup": 3, "constructions": 5, "sweep_rounds": 4, "memory_steps": 8}
-QUICK = {"rounds": 2, "steps": 2, "warmup": 3, "constructions": 2, "sweep_rounds": 1, "memory_steps": 4}
+FULL = {"rounds": 8, "steps": 4, "warmup": 3, "constructions": 5, "sweep_rounds": 4, "memory_steps": 8,
+        "memory_repeats": 3}
+QUICK = {"rounds": 2, "steps": 2, "warmup": 3, "constructions": 2, "sweep_rounds": 1, "memory_steps": 4,
+         "memory_repeats": 1}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -104,12 +106,20 @@ def plan_timing(args, world_size: int) -> list[dict]:
 
 
 def plan_memory(args) -> list[dict]:
-    """One launch per (workload, gbv, engine) at the largest world size; quick: the first workload only."""
+    """One launch per (workload, gbv, engine, repeat) at the largest world size; quick: first workload only.
+
+    Repeats, with the engine order flipped each time, because a process's peak RSS varies by tens of
+    MiB from run to run (the allocator); the report takes the median.
+    """
     if args.no_memory:
         return []
     names = args.workloads[:1] if args.quick else args.workloads
     gbvs = (False,) if args.quick else (False, True)
-    return [job(args, "memory", w, gbv=g, engine=e) for w in names for g in gbvs for e in report.ENGINE_LABEL]
+    jobs = []
+    for r in range(args.memory_repeats):
+        engines = list(report.ENGINE_LABEL)[::1 if r % 2 == 0 else -1]
+        jobs += [job(args, "memory", w, gbv=g, engine=e, repeat=r) for w in names for g in gbvs for e in engines]
+    return jobs
 
 
 def machine(args) -> dict:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import re
 
+import numpy as np
+
 ENGINE_LABEL = {"minidp": "minidp", "ddp": "DDP"}
 
 
@@ -106,21 +108,31 @@ def variants_table(timing: list[dict]) -> str:
                   "minidp ms [IQR]", "DDP ms [IQR]", "minidp/DDP"], rows)
 
 
-def memory_table(memory: list[dict]) -> str:
-    """Baseline, extra and peak memory per engine, paired by (workload, world, gbv)."""
-    pairs: dict = {}
+def memory_medians(memory: list[dict]) -> dict:
+    """{(workload, world, gbv): {engine: {baseline/peak/extra medians, runs}}} over the repeats."""
+    runs: dict = {}
     for m in memory:
         job = m["job"]
-        pairs.setdefault((job["workload"], m["world_size"], job["gbv"]), {})[job["engine"]] = m
+        runs.setdefault((job["workload"], m["world_size"], job["gbv"]), {}).setdefault(job["engine"], []).append(m)
+    out: dict = {}
+    for key, by_engine in runs.items():
+        out[key] = {engine: {field: float(np.median([m[field] for m in ms]))
+                             for field in ("baseline_mib", "peak_mib", "extra_mib")} | {"runs": len(ms)}
+                    for engine, ms in by_engine.items()}
+    return out
+
+
+def memory_table(memory: list[dict]) -> str:
+    """Baseline, extra and peak memory per engine (medians over repeats), paired by (workload, world, gbv)."""
     rows = []
-    for (workload, world, gbv), by_engine in pairs.items():
+    for (workload, world, gbv), by_engine in memory_medians(memory).items():
         if set(by_engine) != set(ENGINE_LABEL):
             continue
         a, b = by_engine["minidp"], by_engine["ddp"]
-        rows.append([workload, world, gbv, f"{a['baseline_mib']:.0f} / {b['baseline_mib']:.0f}",
+        rows.append([workload, world, gbv, a["runs"], f"{a['baseline_mib']:.0f} / {b['baseline_mib']:.0f}",
                      f"{a['extra_mib']:.1f}", f"{b['extra_mib']:.1f}",
                      f"{a['peak_mib']:.0f}", f"{b['peak_mib']:.0f}", f"{a['peak_mib'] / b['peak_mib']:.3f}"])
-    return table(["workload", "world", "gradient_as_bucket_view", "baseline MiB minidp / DDP run",
+    return table(["workload", "world", "gradient_as_bucket_view", "runs", "baseline MiB minidp / DDP",
                   "minidp extra MiB", "DDP extra MiB", "minidp peak MiB", "DDP peak MiB", "peak ratio"], rows)
 
 
