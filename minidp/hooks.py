@@ -2,7 +2,8 @@
 
 A hook receives a `GradBucket` whose `buffer()` holds the bucket's gradients back to back, starts
 whatever communication it likes, and returns a `torch.futures.Future` whose value is a tensor shaped
-like the buffer: the reduced gradients. torch's own hooks
+like the buffer: the reduced gradients (a one-element list of it is accepted too, as DDP
+accepts it). torch's own hooks
 (`torch.distributed.algorithms.ddp_comm_hooks`: allreduce_hook, fp16_compress_hook,
 bf16_compress_hook, powerSGD_hook) run on minidp unchanged.
 
@@ -65,10 +66,13 @@ class GradBucket:
 
 
 def allreduce_sum_hook(process_group, bucket: GradBucket) -> torch.futures.Future:
-    """The default path: sum the buffer over the group, in place (grads were pre-scaled by 1/N)."""
-    buffer = bucket.buffer()
-    work = dist.all_reduce(buffer, group=process_group, async_op=True)  # ranks meet here (async)
-    return work.get_future().then(lambda _: buffer)
+    """The default path: sum the buffer over the group, in place (grads were pre-scaled by 1/N).
+
+    Returns the collective's own future, whose value is [buffer]: no Python callback has to run
+    on the communication thread (which would need the GIL while backward runs).
+    """
+    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)  # ranks meet here (async)
+    return work.get_future()
 
 
 def allreduce_mean_hook(process_group, bucket: GradBucket) -> torch.futures.Future:

@@ -223,7 +223,8 @@ class Reducer:
     def _wait(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's reduced buffer; a failure names this rank, the iteration and the bucket."""
         try:
-            return bucket.future.wait()
+            result = bucket.future.wait()
+            return result[0] if isinstance(result, list) else result  # DDP accepts [tensor] too
         except RuntimeError as exc:
             raise RuntimeError(
                 f"minidp.DDP on rank {self.rank}: iteration {self.iteration}: the all-reduce of bucket "
