@@ -28,7 +28,7 @@ import report  # noqa: E402 - after the path set-up above, as in every script of
 import worker  # noqa: E402
 import workloads  # noqa: E402
 
-FULL = {"rounds": 8, "steps": 4, "warmup": 3, "constructions": 5, "sweep_rounds": 4, "memory_steps": 8,
+FULL = {"rounds": 10, "steps": 4, "warmup": 3, "constructions": 5, "sweep_rounds": 6, "memory_steps": 8,
         "memory_repeats": 3}
 QUICK = {"rounds": 2, "steps": 2, "warmup": 3, "constructions": 2, "sweep_rounds": 1, "memory_steps": 4,
          "memory_repeats": 1}
@@ -46,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-workloads", help="workloads of the sweep (default mlp,resnet18; quick mlp)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-engine memory processes")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--from-json", help="rewrite RESULTS.md and the plot from a saved results JSON; run nothing")
     for name in FULL:
         p.add_argument("--" + name.replace("_", "-"), type=int, help=f"default {FULL[name]} ({QUICK[name]} quick)")
     args = p.parse_args(argv)
@@ -156,17 +157,24 @@ def run_all(args) -> tuple[list[dict], list[dict]]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    started = time.perf_counter()
-    timing, memory = run_all(args)
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        meta, timing, memory = saved["meta"], saved["timing"], saved["memory"]
+        for result in timing:  # recomputed: the report's definitions may have moved on
+            result["derived"] = report.derive(result)
+    else:
+        started = time.perf_counter()
+        timing, memory = run_all(args)
+        meta = {**machine(args), "wall_s": round(time.perf_counter() - started, 1),
+                "plot": f"results/step_times_{args.device}.png"}
     results_dir = os.path.join(args.out, "results")
     os.makedirs(results_dir, exist_ok=True)
-    meta = {**machine(args), "wall_s": round(time.perf_counter() - started, 1),
-            "plot": f"results/step_times_{args.device}.png"}
-    with open(os.path.join(results_dir, f"compare_ddp_{args.device}.json"), "w") as f:
+    with open(os.path.join(results_dir, f"compare_ddp_{meta['device']}.json"), "w") as f:
         json.dump({"meta": meta, "timing": timing, "memory": memory}, f, indent=1)
     report.plot_step_times(timing, os.path.join(args.out, meta["plot"]))
     text = report.section(meta, timing, memory)
-    report.write_section(os.path.join(args.out, "RESULTS.md"), args.device, text)
+    report.write_section(os.path.join(args.out, "RESULTS.md"), meta["device"], text)
     print(text)
     print(f"\nwrote {args.out}/RESULTS.md and {results_dir}/ in {meta['wall_s']} s")
     return 0

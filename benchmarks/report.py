@@ -2,7 +2,9 @@
 
 Definitions (also written into RESULTS.md):
   * step time: median of the timed steps; spread: p25-p75 (IQR);
-  * ratio: median(minidp) / median(DDP), < 1 means minidp is faster;
+  * ratio: median(minidp) / median(DDP), < 1 means minidp is faster; its spread: the p25-p75 of
+    the per-round ratios (each round's minidp median over the same round's DDP median), which
+    shows how much the machine's noise moves the ratio;
   * samples/s: batch_per_rank * world_size / median step time;
   * T_compute: the same step under the engine's no_sync() (forward, backward, optimizer; no
     communication); T_allreduce: all-reducing the gradient bytes alone, cut into the same buckets;
@@ -36,6 +38,15 @@ def ratio(result: dict) -> float:
     return result["phases"]["minidp"]["median"] / result["phases"]["ddp"]["median"]
 
 
+def round_ratios(result: dict) -> dict:
+    """Quartiles of the per-round ratios minidp/DDP (the phases alternate round by round)."""
+    k = result["job"]["steps"]
+    a, b = result["phases"]["minidp"]["values"], result["phases"]["ddp"]["values"]
+    per_round = [np.median(a[i:i + k]) / np.median(b[i:i + k]) for i in range(0, min(len(a), len(b)), k)]
+    p25, p50, p75 = np.percentile(per_round, [25, 50, 75])
+    return {"p25": float(p25), "median": float(p50), "p75": float(p75), "rounds": len(per_round)}
+
+
 def samples_per_s(result: dict, engine: str) -> float:
     return result["batch_per_rank"] * result["world_size"] / result["phases"][engine]["median"]
 
@@ -54,11 +65,17 @@ def limits(result: dict, engine: str) -> dict | None:
 
 def derive(result: dict) -> dict:
     """The figures the tables show, added to a result (kept in the JSON for later reading)."""
-    out = {"ratio": ratio(result), "samples_per_s": {e: samples_per_s(result, e) for e in ENGINE_LABEL},
+    out = {"ratio": ratio(result), "ratio_rounds": round_ratios(result),
+           "samples_per_s": {e: samples_per_s(result, e) for e in ENGINE_LABEL},
            "construction_ratio": (result["construction"]["minidp"]["median"]
                                   / result["construction"]["ddp"]["median"])}
     out["limits"] = {e: limits(result, e) for e in ENGINE_LABEL} if "allreduce" in result["phases"] else None
     return out
+
+
+def ratio_cell(result: dict) -> str:
+    spread = result["derived"]["ratio_rounds"]
+    return f"**{result['derived']['ratio']:.3f}** [{spread['p25']:.2f}-{spread['p75']:.2f}]"
 
 
 def is_default(result: dict) -> bool:
@@ -78,10 +95,11 @@ def headline_table(timing: list[dict]) -> str:
     for r in (r for r in timing if is_default(r)):
         d, c = r["derived"], r["construction"]
         rows.append([r["job"]["workload"], r["world_size"], f"{r['params'] / 1e6:.2f}M",
-                     with_iqr(r["phases"]["minidp"]), with_iqr(r["phases"]["ddp"]), f"**{d['ratio']:.3f}**",
+                     with_iqr(r["phases"]["minidp"]), with_iqr(r["phases"]["ddp"]), ratio_cell(r),
                      f"{d['samples_per_s']['minidp']:.0f} / {d['samples_per_s']['ddp']:.0f}",
                      f"{ms(c['minidp']['median'])} / {ms(c['ddp']['median'])}", f"{d['construction_ratio']:.2f}"])
-    return table(["workload", "world", "params", "minidp step ms [IQR]", "DDP step ms [IQR]", "minidp/DDP",
+    return table(["workload", "world", "params", "minidp step ms [IQR]", "DDP step ms [IQR]",
+                  "minidp/DDP [IQR of per-round ratios]",
                   "samples/s minidp / DDP", "construct ms minidp / DDP", "construct ratio"], rows)
 
 
@@ -103,9 +121,9 @@ def variants_table(timing: list[dict]) -> str:
         job = r["job"]
         rows.append([job["workload"], r["world_size"], cap_label(job["bucket_cap_mb"]), job["gbv"],
                      len(r["bucket_numels"]), with_iqr(r["phases"]["minidp"]), with_iqr(r["phases"]["ddp"]),
-                     f"**{r['derived']['ratio']:.3f}**"])
+                     ratio_cell(r)])
     return table(["workload", "world", "bucket_cap_mb", "gradient_as_bucket_view", "buckets",
-                  "minidp ms [IQR]", "DDP ms [IQR]", "minidp/DDP"], rows)
+                  "minidp ms [IQR]", "DDP ms [IQR]", "minidp/DDP [per-round IQR]"], rows)
 
 
 def memory_medians(memory: list[dict]) -> dict:

@@ -81,6 +81,13 @@ def test_compare_writes_markdown_and_plot(quick_compare):
     assert "comm hidden" in stdout  # the limits table is printed too
 
 
+def test_compare_rewrites_report_from_json(quick_compare, tmp_path):
+    out, data, _ = quick_compare
+    _run_script("compare_ddp.py", "--from-json", str(out / "results" / "compare_ddp_cpu.json"), "--out", str(tmp_path))
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert data["meta"]["command"] in text and "| deep300 | 2 |" in text
+
+
 # ---- timeline.py --quick ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
