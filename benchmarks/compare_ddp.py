@@ -133,11 +133,25 @@ def machine(args) -> dict:
     except (OSError, subprocess.SubprocessError):
         pass  # lscpu is a nicety; platform's answer will do
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"), "cpu": cpu,
+    return {"commit": git_commit(), "cpu": cpu,
+            "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
             "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__, "device": args.device,
             "backend": args.backend, "world_sizes": args.world_sizes, "threads": args.threads,
-            "command": "python benchmarks/compare_ddp.py " + shlex.join(sys.argv[1:]),
+            "command": ("python benchmarks/compare_ddp.py " + shlex.join(sys.argv[1:])).strip(),
             **{k: getattr(args, k) for k in FULL}}
+
+
+def git_commit() -> str:
+    """HEAD of the checkout, with "+dirty" when minidp/ has uncommitted changes (the engine measured)."""
+    root = os.path.dirname(HERE)
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "minidp"], cwd=root, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")
 
 
 def run_all(args) -> tuple[list[dict], list[dict]]:

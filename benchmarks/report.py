@@ -157,7 +157,7 @@ def memory_table(memory: list[dict]) -> str:
 def section(meta: dict, timing: list[dict], memory: list[dict]) -> str:
     """The generated part of RESULTS.md for one device."""
     parts = [
-        f"Run: {meta['date']}. Command: `{meta['command']}`",
+        f"Run: {meta['date']}, minidp at commit {meta.get('commit', 'unknown')}. Command: `{meta['command']}`",
         f"Machine: {meta['cpu']} ({meta['cores']} cores); GPU: {meta['gpu']}; torch {meta['torch']}; "
         f"backend {meta['backend']}; device {meta['device']}; world sizes {meta['world_sizes']}; "
         f"{meta['threads']} thread(s) per rank; warm-up {meta['warmup']} steps per phase, "
