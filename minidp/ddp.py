@@ -72,6 +72,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_forward_param_sync = True  # whether the next forward broadcasts buffers
         self.divide_by_initial_world_size = True  # set by join()
         self.debug = consistency.debug_from_env() if debug is None else bool(debug)
+        self.has_buffers = any(True for _ in module.buffers())  # else skip the walk on every forward
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._verify_across_ranks(named, bucket_cap_mb)
         if not named:
@@ -103,7 +104,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         count_work = Join.notify_join_context(self)  # ranks meet here under join(): who still trains?
         if torch.is_grad_enabled():
             self.reducer.maybe_rebuild()  # ranks meet here, once, after the first synced iteration
-        if self.require_forward_param_sync and self.broadcast_buffers:
+        if self.require_forward_param_sync and self.broadcast_buffers and self.has_buffers:
             self.sync_buffers(joined=False)
         if self._join_config.enable:
             vote_to_sync(self, joined=False)  # ranks meet here: matches the joined ranks' vote

@@ -24,6 +24,8 @@ from . import consistency
 from .hooks import GradBucket, allreduce_sum_hook
 from .sync import global_rank
 
+SMALL_GRAD_NUMEL = 65536  # gradients below this are copied into the bucket in one batch
+
 
 @dataclass
 class Bucket:
@@ -35,6 +37,7 @@ class Bucket:
     buffer: torch.Tensor
     views: list[torch.Tensor]     # buffer slices shaped like the parameters
     pending: int = 0              # gradients still to arrive this iteration
+    deferred: list = field(default_factory=list, repr=False)  # (slot, grad, param) to copy at launch
     future: torch.futures.Future | None = field(default=None, repr=False)
 
 
@@ -84,7 +87,8 @@ class Reducer:
             for i in indices:
                 offsets.append(total)
                 total += self.params[i].numel()
-            buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+            # Empty, not zeros: every slot is written (gradient or zeros) before each all-reduce.
+            buffer = torch.empty(total, dtype=first.dtype, device=first.device)
             views = [buffer[o:o + self.params[i].numel()].view_as(self.params[i])
                      for i, o in zip(indices, offsets)]
             bucket = Bucket(b, list(indices), offsets, buffer, views)
@@ -137,7 +141,7 @@ class Reducer:
         self.divisor, self.divisor_work = self.world_size, divisor_work
         self.ready = [False] * len(self.params)
         for bucket in self.buckets:
-            bucket.pending, bucket.future = len(bucket.param_indices), None
+            bucket.pending, bucket.future, bucket.deferred = len(bucket.param_indices), None, []
         self.next_bucket, self.expect_hooks = 0, True
 
     def _make_hook(self, index: int):
@@ -168,11 +172,17 @@ class Reducer:
             self._launch_ready_buckets()
 
     def _copy_into_bucket(self, index: int, param: torch.Tensor) -> None:
-        grad, view = param.grad, self.bucket_of[index].views[self.slot_of[index]]
+        bucket, slot = self.bucket_of[index], self.slot_of[index]
+        grad, view = param.grad, bucket.views[slot]
         if grad.is_sparse:
             raise RuntimeError(f"minidp: parameter {self.names[index]!r} has a sparse gradient; "
                                "only dense gradients are supported")
         aliased = grad.data_ptr() == view.data_ptr()
+        if not aliased and not self.custom_hook and grad.numel() < SMALL_GRAD_NUMEL:
+            # Many small gradients: copying each one costs a Python-issued op; copy them in one
+            # batch when the bucket is complete (same products, so the same bits).
+            bucket.deferred.append((slot, grad, param))
+            return
         if not self.custom_hook:
             # DDP's numerics: scale while copying (multiply by the reciprocal), or divide in place
             # when the gradient already lives in the bucket.
@@ -185,6 +195,18 @@ class Reducer:
         if self.as_view and not aliased:
             param.grad = view
 
+    def _copy_deferred(self, bucket: Bucket) -> None:
+        """Copy the bucket's deferred small gradients in, scaled by 1/divisor, in two batched ops."""
+        if not bucket.deferred:
+            return
+        views = [bucket.views[slot] for slot, _, _ in bucket.deferred]
+        torch._foreach_copy_(views, [grad for _, grad, _ in bucket.deferred])
+        torch._foreach_mul_(views, 1.0 / self.divisor)
+        if self.as_view:
+            for view, (_, _, param) in zip(views, bucket.deferred):
+                param.grad = view
+        bucket.deferred = []
+
     def _launch_ready_buckets(self) -> None:
         """Launch complete buckets strictly in index order: every rank issues the same sequence."""
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
@@ -192,6 +214,7 @@ class Reducer:
             params = [self.params[i] for i in bucket.param_indices]
             grad_bucket = GradBucket(bucket.index, bucket.buffer, params, bucket.offsets,
                                      is_last=bucket.index == len(self.buckets) - 1)
+            self._copy_deferred(bucket)
             if self.debug and bucket.index == 0:
                 consistency.check(consistency.BACKWARD, self.iteration, self.plan(), self.group,
                                   bucket.buffer.device, 0, self.describe_bucket)
@@ -263,6 +286,7 @@ class Reducer:
         return {i for i, count in enumerate(used.tolist()) if count == 0}
 
     def _write_back(self, bucket: Bucket, result: torch.Tensor, skip: set) -> None:
+        copy_to, copy_from = [], []  # batched into one op below
         for slot, i in enumerate(bucket.param_indices):
             if i in skip:
                 continue
@@ -270,13 +294,17 @@ class Reducer:
             out = view if result is bucket.buffer else result[bucket.offsets[slot]:][:param.numel()].view_as(param)
             if self.as_view:
                 if out is not view:
-                    view.copy_(out)
+                    copy_to.append(view)
+                    copy_from.append(out)
                 if param.grad is None or param.grad.data_ptr() != view.data_ptr():
                     param.grad = view
             elif param.grad is None:
                 param.grad = out.clone()
             else:
-                param.grad.copy_(out)
+                copy_to.append(param.grad)
+                copy_from.append(out)
+        if copy_to:
+            torch._foreach_copy_(copy_to, copy_from)
 
     def _fail_unused(self, missing: list[int]) -> None:
         for bucket in self.buckets[:self.next_bucket]:  # let launched collectives finish cleanly

@@ -18,32 +18,37 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group=None, src: int = 
                         chunk_bytes: int = BROADCAST_CHUNK_BYTES) -> None:
     """Overwrite `tensors` on every rank with group rank `src`'s values, a few flat collectives in all.
 
-    Consecutive tensors of one dtype and device are packed into a flat chunk of up to
-    `chunk_bytes`, broadcast once, and unpacked; so 200 small tensors cost one collective.
+    Tensors are grouped by dtype and device (keeping their order within a group), packed into flat
+    chunks of up to `chunk_bytes`, broadcast once per chunk and unpacked: BatchNorm's float and
+    int64 buffers interleave, and packing by run would cost one collective per layer.
     """
+    is_src = dist.get_rank(group) == src
     src = global_rank(group, src)
     for chunk in _chunks(tensors, chunk_bytes):
         flat = torch.cat([t.detach().reshape(-1) for t in chunk])
         dist.broadcast(flat, src=src, group=group)  # ranks meet here
-        offset = 0
+        if is_src:
+            continue  # the source's tensors hold these values already
         with torch.no_grad():
-            for t in chunk:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            for t, piece in zip(chunk, flat.split([t.numel() for t in chunk])):
+                t.copy_(piece.view_as(t))
 
 
 def _chunks(tensors, chunk_bytes):
-    chunk, size, key = [], 0, None
+    groups: dict = {}
     for t in tensors:
-        t_key, t_size = (t.dtype, t.device), t.numel() * t.element_size()
-        if chunk and (t_key != key or size + t_size > chunk_bytes):
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for group in groups.values():
+        chunk, size = [], 0
+        for t in group:
+            t_size = t.numel() * t.element_size()
+            if chunk and size + t_size > chunk_bytes:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(t)
+            size += t_size
+        if chunk:
             yield chunk
-            chunk, size = [], 0
-        chunk.append(t)
-        size += t_size
-        key = t_key
-    if chunk:
-        yield chunk
 
 
 def check_same_across_ranks(what: str, records: list, group=None) -> None:
