@@ -19,10 +19,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.distributed as dist
-import workloads
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
+import workloads
 
 ENGINES = {"minidp": minidp.DDP, "ddp": TorchDDP}
 

@@ -16,9 +16,10 @@ torch.cuda.max_memory_allocated (RSS would hide the caching allocator's work).
 """
 from __future__ import annotations
 
-import measure
 import torch
 import torch.distributed as dist
+
+import measure
 import workloads
 
 

@@ -23,7 +23,6 @@ sys.path.insert(0, HERE)
 
 import worker  # noqa: E402 - after the path set-up above
 import workloads  # noqa: E402
-
 from minidp.timeline import bucket_spans, plot_timelines, write_chrome_trace  # noqa: E402
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import os
 
-import common
 import torch
 from train_torchvision import fit, write_report
 
+import common
 import minidp
 from minidp.data import image_folder_loader
 

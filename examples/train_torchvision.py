@@ -15,13 +15,13 @@ import os
 import statistics
 import time
 
-import common
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 from tqdm import tqdm
 
+import common
 import minidp
 
 WARM_STEPS = 5  # first steps left out of the median step time (bucket rebuild, allocator warm-up)

@@ -2,13 +2,13 @@
 import pytest
 import torch
 import torch.distributed as dist
-from models import MLP, build
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
 from harness import run_ranks
+from models import MLP, build
 
 # ---- bucket layout, as seen by a comm hook, equals torch DDP's ---------------------------------
 

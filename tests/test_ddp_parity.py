@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from models import build, input_shape
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
 from harness import run_ranks
+from models import build, input_shape
 
 STEPS, SHARD = 20, 4
 

@@ -20,8 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 sys.path.insert(0, EXAMPLES)
 
-import common  # noqa: E402 - examples/ is not a package
 import train_torchvision  # noqa: E402
+
+import common  # noqa: E402 - examples/ is not a package
 
 # A variable left by an in-process minidp.init() elsewhere in the session would make the example
 # believe it runs under torchrun: the children get a clean launch environment.

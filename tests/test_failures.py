@@ -6,11 +6,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from models import build
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
 from harness import run_ranks
+from models import build
 
 # ---- dead ranks ---------------------------------------------------------------------------------
 
