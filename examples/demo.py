@@ -19,8 +19,9 @@ import sys
 import tempfile
 import time
 
-import torch
 import train_torchvision
+
+from minidp.checkpoint import read_checkpoint
 
 WARM = train_torchvision.WARM_STEPS + 1  # first step counted in the median (1-based)
 ENGINES = ("minidp", "ddp")
@@ -43,8 +44,8 @@ def train_both(work: str, extra: list) -> dict:
 
 def max_difference(path_a: str, path_b: str) -> tuple:
     """(largest |a - b| over the models' floating-point tensors, number of tensors) of two checkpoints."""
-    a = torch.load(path_a, map_location="cpu", weights_only=False)["model"]
-    b = torch.load(path_b, map_location="cpu", weights_only=False)["model"]
+    a = read_checkpoint(path_a)["model"]  # verified (SHA-256) and loaded with weights_only=True
+    b = read_checkpoint(path_b)["model"]
     tensors = [k for k, v in a.items() if v.is_floating_point()]
     return max(float((a[k] - b[k]).abs().max()) for k in tensors), len(tensors)
 

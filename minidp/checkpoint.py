@@ -98,8 +98,7 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, sampler=None, m
     Raises:
         ValueError: the file is not a minidp checkpoint, is truncated, or fails its hash.
     """
-    path = _check_path(path)
-    payload = torch.load(io.BytesIO(read_verified(path)), map_location=map_location, weights_only=True)
+    payload = read_checkpoint(path, map_location)
     _unwrap(model).load_state_dict(payload["model"])
     for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("sampler", sampler)):
         if obj is not None:
@@ -110,6 +109,12 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, sampler=None, m
     if len(rngs) == _world_size():
         set_rng_state(rngs[rank])
     return payload
+
+
+def read_checkpoint(path, map_location="cpu") -> dict:
+    """The verified payload of a checkpoint (model, optimizer, ..., rng), restoring nothing."""
+    path = _check_path(path)
+    return torch.load(io.BytesIO(read_verified(path)), map_location=map_location, weights_only=True)
 
 
 def read_verified(path: str) -> bytes:

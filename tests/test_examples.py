@@ -114,3 +114,16 @@ def test_resnet18_keeps_torchvision_names_and_width():
     assert names == set(torchvision.models.resnet18(num_classes=10).state_dict())
     narrow = common.resnet18_cifar(10, width=8)
     assert narrow.fc.in_features == 64 and narrow(torch.zeros(2, 3, 16, 16)).shape == (2, 10)
+
+
+def test_demo_compares_checkpoints_written_by_minidp(tmp_path):
+    import demo
+
+    model = common.resnet18_cifar(10, width=4)
+    minidp.save_checkpoint(tmp_path / "a.pt", model)
+    minidp.save_checkpoint(tmp_path / "b.pt", model)
+    assert demo.max_difference(str(tmp_path / "a.pt"), str(tmp_path / "b.pt"))[0] == 0.0
+    with torch.no_grad():
+        next(model.parameters()).add_(0.5)
+    minidp.save_checkpoint(tmp_path / "b.pt", model)
+    assert demo.max_difference(str(tmp_path / "a.pt"), str(tmp_path / "b.pt"))[0] == pytest.approx(0.5)
