@@ -1,6 +1,6 @@
 """minidp.DistributedDataParallel: the nn.Module wrapper (verify, broadcast, buffers, no_sync, hooks).
 
-A drop-in for torch.nn.parallel.DistributedDataParallel: same constructor keywords, same
+A drop-in for torch's DistributedDataParallel (torch DDP): same constructor keywords, same
 `.module`, same state_dict keys ("module." prefix), `no_sync()`, `register_comm_hook()`.
 The gradient averaging itself lives in reducer.py.
 """

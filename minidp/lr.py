@@ -24,16 +24,9 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from .ranks import get_world_size
+from .validate import check_int
 
 RULES = ("linear", "sqrt")
-
-
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an int")
-    if value < low:
-        raise ValueError(f"{name}={value} must be >= {low}")
-    return value
 
 
 def scale_factor(world_size: Optional[int] = None, reference_world_size: int = 1, rule: str = "linear") -> float:
@@ -46,7 +39,7 @@ def scale_factor(world_size: Optional[int] = None, reference_world_size: int = 1
         rule: "linear" (k, Goyal et al.) or "sqrt" (sqrt(k)). Default "linear".
     """
     world_size = get_world_size() if world_size is None else world_size
-    k = _check_int("world_size", world_size, 1) / _check_int("reference_world_size", reference_world_size, 1)
+    k = check_int("world_size", world_size, 1) / check_int("reference_world_size", reference_world_size, 1)
     if rule not in RULES:
         raise ValueError(f"rule={rule!r} must be one of {RULES}")
     return k if rule == "linear" else math.sqrt(k)
@@ -78,7 +71,7 @@ def warmup_factor(step: int, warmup_steps: int, world_size: Optional[int] = None
         world_size, reference_world_size, rule: as in scale_factor().
     """
     k = scale_factor(world_size, reference_world_size, rule)
-    step, warmup_steps = _check_int("step", step, 0), _check_int("warmup_steps", warmup_steps, 0)
+    step, warmup_steps = check_int("step", step, 0), check_int("warmup_steps", warmup_steps, 0)
     if step >= warmup_steps:
         return k
     return 1.0 + (k - 1.0) * step / warmup_steps

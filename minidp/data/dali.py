@@ -44,6 +44,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..ranks import get_local_rank, get_rank, get_world_size
+from ..validate import check_int
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # torchvision's Normalize constants, for images in [0, 1]
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -79,14 +80,6 @@ def list_image_folder(root: str) -> Tuple[List[str], List[Tuple[str, int]]]:
             if os.path.isfile(path) and any(fnmatch.fnmatch(f.lower(), p) for p in IMAGE_PATTERNS):
                 files.append((path, label))
     return classes, files
-
-
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an int")
-    if value < low:
-        raise ValueError(f"{name}={value} must be >= {low}")
-    return value
 
 
 def _resolve_device(device) -> torch.device:
@@ -212,9 +205,9 @@ def image_folder_loader(
                 ...
     """
     _import_dali()  # fail first, and clearly, where DALI is not installed
-    _check_int("batch_size", batch_size, 1)
-    _check_int("crop", crop, 1)
-    resize = crop if resize is None else _check_int("resize", resize, 1)
+    check_int("batch_size", batch_size, 1)
+    check_int("crop", crop, 1)
+    resize = crop if resize is None else check_int("resize", resize, 1)
     if resize < crop:
         raise ValueError(f"resize={resize} must be >= crop={crop}")
     if isinstance(shuffle, bool):
@@ -226,11 +219,11 @@ def image_folder_loader(
     if shuffle == "global" and stick_to_shard:
         raise ValueError("stick_to_shard=True with shuffle='global': a global reshuffle changes every shard; "
                          "use shuffle='shard' or 'none' to stick to a shard")
-    world_size = _check_int("world_size", get_world_size() if world_size is None else world_size, 1)
-    rank = _check_int("rank", get_rank() if rank is None else rank, 0)
+    world_size = check_int("world_size", get_world_size() if world_size is None else world_size, 1)
+    rank = check_int("rank", get_rank() if rank is None else rank, 0)
     if rank >= world_size:
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
-    _check_int("seed", seed, 0)
+    check_int("seed", seed, 0)
     if len(mean) != 3 or len(std) != 3:
         raise ValueError(f"mean={tuple(mean)} and std={tuple(std)} need one value per RGB channel")
     classes, files = list_image_folder(root)
