@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import os
 
-import torch
-from train_torchvision import fit, write_report
+import train_torchvision
 
 import common
 import minidp
@@ -47,12 +46,8 @@ def build_loaders(args, env: minidp.DistEnv) -> common.Loaders:
 
 
 def worker(local_rank: int, args) -> None:
-    """One rank: join the process group, build the pipelines, train, report."""
-    env = minidp.init()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
-    summary = fit(args, env, build_loaders(args, env))
-    write_report(args, summary)
-    minidp.shutdown()
+    """One rank: the torchvision example's worker, with DALI pipelines for data."""
+    train_torchvision.worker(local_rank, args, build=build_loaders)
 
 
 def main(argv=None) -> None:

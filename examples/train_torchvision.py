@@ -121,12 +121,12 @@ def write_report(args, summary: dict) -> None:
             json.dump(summary, f, indent=1)
 
 
-def worker(local_rank: int, args) -> None:
-    """One rank: join the process group, build the data, train, report."""
+def worker(local_rank: int, args, build=None) -> None:
+    """One rank: join the process group, build the data (`build`, default torchvision's), train, report."""
     env = minidp.init()
     # One compute thread per core: workers on a node share its cores.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
-    summary = fit(args, env, build_loaders(args, env))
+    summary = fit(args, env, (build or build_loaders)(args, env))
     write_report(args, summary)
     minidp.shutdown()
 

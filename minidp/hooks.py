@@ -73,10 +73,3 @@ def allreduce_sum_hook(process_group, bucket: GradBucket) -> torch.futures.Futur
     """
     work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)  # ranks meet here (async)
     return work.get_future()
-
-
-def allreduce_mean_hook(process_group, bucket: GradBucket) -> torch.futures.Future:
-    """Average by dividing before the sum, as torch's allreduce_hook does."""
-    size = dist.get_world_size(process_group)
-    bucket.buffer().div_(size)
-    return allreduce_sum_hook(process_group, bucket)

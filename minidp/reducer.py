@@ -108,14 +108,12 @@ class Reducer:
         """After the first synced iteration, re-plan buckets in gradient-ready order (once)."""
         if self.rebuilt or not self.ready_order:
             return False
-        order = torch.tensor(self.ready_order, dtype=torch.int64)
         if len(self.ready_order) != len(self.params):
             raise RuntimeError(f"minidp: cannot rebuild buckets: {len(self.ready_order)} of "
                                f"{len(self.params)} gradients were recorded in the first iteration")
+        order = torch.tensor(self.ready_order, dtype=torch.int64, device=self.buckets[0].buffer.device)
         # Ranks meet here: all ranks adopt rank 0's order, so their layouts agree.
-        src = global_rank(self.group, 0)
-        order = order.to(self.buckets[0].buffer.device)
-        dist.broadcast(order, src=src, group=self.group)
+        dist.broadcast(order, src=global_rank(self.group, 0), group=self.group)
         sizes = [p.numel() * p.element_size() for p in self.params]
         keys = [(p.dtype, p.device) for p in self.params]
         limits = planning.bucket_limits(self.bucket_cap_mb, False, self.find_unused, self.static_graph)
@@ -315,8 +313,3 @@ class Reducer:
             "Every parameter must take part in the loss each iteration; otherwise pass "
             "find_unused_parameters=True (unused parameters are then reduced as zeros).")
         raise RuntimeError(self.error)
-
-    def remove_hooks(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
