@@ -21,9 +21,11 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from plot_timeline import plot_timelines  # noqa: E402
+
 import worker  # noqa: E402 - after the path set-up above
 import workloads  # noqa: E402
-from minidp.timeline import bucket_spans, plot_timelines, write_chrome_trace  # noqa: E402
+from minidp.engine.timeline import bucket_spans, write_chrome_trace  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,14 +1,21 @@
 """minidp: a from-scratch data-parallel training engine for PyTorch."""
-from . import data, hooks, lr, optim
+import sys
+
+from . import data, lr, optim
 from .checkpoint import load_checkpoint, save_checkpoint
-from .ddp import DDP, DistributedDataParallel
+from .data.sampler import DistributedSampler
+from .engine import hooks
+from .engine.ddp import DDP, DistributedDataParallel
+from .engine.timeline import Timeline
 from .env import DistEnv, init, shutdown
 from .launch import WorkerFailed, launch
 from .metrics import all_reduce_sums
 from .ranks import barrier, get_logger, get_rank, get_world_size, is_main, local_rank_zero_first, print0
-from .sampler import DistributedSampler
 from .syncbn import SyncBatchNorm, convert_sync_batchnorm
-from .timeline import Timeline
+
+# `minidp.hooks` is public (README); its code lives in the engine. Register the alias so that
+# `import minidp.hooks` and `from minidp.hooks import GradBucket` work as well as the attribute.
+sys.modules[__name__ + ".hooks"] = hooks
 
 __all__ = [
     "DDP",

@@ -80,7 +80,7 @@ def test_bad_input_is_named(call, error, words):
 
 
 def test_comm_hook_must_be_callable():
-    from minidp.ddp import DistributedDataParallel
+    from minidp.engine.ddp import DistributedDataParallel
 
     ddp = DistributedDataParallel.__new__(DistributedDataParallel)  # the check comes before any state is used
     with pytest.raises(TypeError, match="hook=42"):

@@ -12,7 +12,11 @@ import sys
 import pytest
 import torch
 
-from minidp.timeline import Timeline, bucket_spans, plot_timelines, trace_events, write_chrome_trace
+from minidp.engine.timeline import Timeline, bucket_spans, trace_events, write_chrome_trace
+
+ROOT_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, ROOT_BENCH)
+from plot_timeline import plot_timelines  # noqa: E402 - benchmarks/ holds the drawing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = ("mlp", "resnet18", "deep300")
@@ -150,10 +154,11 @@ def test_trace_events_units_and_lanes(tmp_path):
     assert bucket1["ts"] == pytest.approx(4000.01) and bucket1["dur"] == pytest.approx(2999.99)
     timeline = Timeline(_fake_events())
     timeline.to_chrome_trace(str(tmp_path / "t.json"))
-    timeline.plot(str(tmp_path / "t.png"))
+    plot_timelines(str(tmp_path / "t.png"), {0: timeline.snapshot()})
     write_chrome_trace(str(tmp_path / "two.json"), {0: _fake_events(), 1: _fake_events()})
     plot_timelines(str(tmp_path / "two.png"), {0: _fake_events(), 1: _fake_events()}, "two ranks")
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert (tmp_path / "t.png").read_bytes()[:4] == PNG_MAGIC
     assert (tmp_path / "two.png").read_bytes()[:4] == PNG_MAGIC
 
 

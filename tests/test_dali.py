@@ -186,7 +186,7 @@ def test_bad_folders(tmp_path):
 
 def test_minidp_imports_without_dali():
     code = ("import sys; sys.modules['nvidia.dali'] = None\n"  # makes `import nvidia.dali` fail
-            "import minidp, minidp.data, minidp.sampler\n"
+            "import minidp, minidp.data, minidp.data.sampler\n"
             "try:\n    minidp.data.image_folder_loader('missing', 2)\n"
             "except ImportError as e:\n    print('ImportError:', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import run_ranks
+from minidp.data.sampler import DistributedSampler
 from minidp.metrics import all_reduce_sums
-from minidp.sampler import DistributedSampler
 
 SETTINGS = settings(max_examples=150, deadline=None)
 

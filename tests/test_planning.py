@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidp.buckets import MIB, UNBOUNDED, assign_buckets, bucket_limits, plan_initial, plan_rebuilt
+from minidp.engine.planning import MIB, UNBOUNDED, assign_buckets, bucket_limits, plan_initial, plan_rebuilt
 
 DTYPES = [torch.float32, torch.float64, torch.float16]
 

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from . import consistency
+from . import debug as debug_mode
+from .collectives import broadcast_coalesced, check_same_across_ranks
 from .join import DDPJoinHook, find_common_rank, vote_to_sync
 from .reducer import Reducer
-from .sync import broadcast_coalesced, check_same_across_ranks
 from .timeline import Timeline
 
 
@@ -38,7 +38,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         check_reduction: ignored (deprecated in torch too).
         gradient_as_bucket_view: `.grad` tensors become views into the buckets. Default False.
         static_graph: accepted; selects the same bucket policy as find_unused_parameters=False.
-        debug: check every step that all ranks reduce the same thing (see consistency.py).
+        debug: check every step that all ranks reduce the same thing (see debug.py).
             Default None: on when the environment has MINIDP_DEBUG=1.
 
     Example:
@@ -71,7 +71,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # whether the next forward broadcasts buffers
         self.divide_by_initial_world_size = True  # set by join()
-        self.debug = consistency.debug_from_env() if debug is None else bool(debug)
+        self.debug = debug_mode.debug_from_env() if debug is None else bool(debug)
         self.has_buffers = any(True for _ in module.buffers())  # else skip the walk on every forward
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._verify_across_ranks(named, bucket_cap_mb)
@@ -99,7 +99,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer.raise_if_failed()
         syncing = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self.debug and syncing:
-            consistency.check(consistency.FORWARD, self.reducer.iteration + 1, self.reducer.plan(),
+            debug_mode.check(debug_mode.FORWARD, self.reducer.iteration + 1, self.reducer.plan(),
                               self.process_group, self.join_device, describe_bucket=self.reducer.describe_bucket)
         count_work = Join.notify_join_context(self)  # ranks meet here under join(): who still trains?
         if torch.is_grad_enabled():

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from . import buckets as planning
-from . import consistency
+from . import debug as debug_mode
+from . import planning
+from .collectives import global_rank
 from .hooks import GradBucket, allreduce_sum_hook
-from .sync import global_rank
 
 SMALL_GRAD_NUMEL = 65536  # gradients below this are copied into the bucket in one batch
 
@@ -214,7 +214,7 @@ class Reducer:
                                      is_last=bucket.index == len(self.buckets) - 1)
             self._copy_deferred(bucket)
             if self.debug and bucket.index == 0:
-                consistency.check(consistency.BACKWARD, self.iteration, self.plan(), self.group,
+                debug_mode.check(debug_mode.BACKWARD, self.iteration, self.plan(), self.group,
                                   bucket.buffer.device, 0, self.describe_bucket)
             if self.timeline is not None:
                 self.timeline.record("launch", bucket=bucket.index)
@@ -250,7 +250,7 @@ class Reducer:
             raise RuntimeError(
                 f"minidp.DDP on rank {self.rank}: iteration {self.iteration}: the all-reduce of bucket "
                 f"{bucket.index} [{self.describe_bucket(bucket.index)}] failed; likely "
-                f"{consistency.LIKELY_CAUSES} (MINIDP_DEBUG=1 checks every step). Cause: {exc}") from exc
+                f"{debug_mode.LIKELY_CAUSES} (MINIDP_DEBUG=1 checks every step). Cause: {exc}") from exc
 
     def plan(self) -> list[list[int]]:
         return [b.param_indices for b in self.buckets]

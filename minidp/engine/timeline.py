@@ -17,7 +17,7 @@ Example:
     opt.step()
     timeline.record("step_end")
     timeline.to_chrome_trace("step.json")   # open in https://ui.perfetto.dev
-    timeline.plot("step.png")               # needs matplotlib
+    # a PNG of the same lanes: benchmarks/plot_timeline.py (matplotlib stays out of the engine)
 """
 from __future__ import annotations
 
@@ -48,13 +48,6 @@ class Timeline:
         """Record a "done" event when `future` completes (called on the thread that completes it)."""
         future.add_done_callback(lambda _: self.record("done", **fields))
 
-    def kinds(self) -> list[str]:
-        return [kind for kind, _, _ in self.events]
-
-    def clear(self) -> None:
-        with self._lock:
-            self.events.clear()
-
     def snapshot(self) -> list[tuple[str, int, dict]]:
         """A copy of the events sorted by time (comm threads may append slightly out of order)."""
         with self._lock:
@@ -67,10 +60,6 @@ class Timeline:
     def to_chrome_trace(self, path: str, pid: int = 0) -> None:
         """Write a Chrome/Perfetto trace (JSON) of the recorded events; `pid` is shown as the rank."""
         write_chrome_trace(path, {pid: self.snapshot()})
-
-    def plot(self, path: str, title: str = "") -> None:
-        """Draw the step as lanes (step phases, gradients, one lane per bucket) into a PNG."""
-        plot_timelines(path, {0: self.snapshot()}, title)
 
 
 def bucket_spans(events) -> list[dict]:
@@ -95,7 +84,7 @@ def bucket_spans(events) -> list[dict]:
     return spans
 
 
-def _step_spans(events):
+def step_spans(events):
     """(name, start, end) of the step phases present in `events` (first occurrence of each kind)."""
     first = {}
     for kind, stamp, _ in sorted(events, key=lambda e: e[1]):
@@ -112,7 +101,7 @@ def trace_events(events, pid: int = 0, t0_ns: int | None = None) -> list[dict]:
     out = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"rank {pid}"}},
            {"ph": "M", "name": "thread_name", "pid": pid, "tid": STEP_TID, "args": {"name": "step"}},
            {"ph": "M", "name": "thread_name", "pid": pid, "tid": GRADS_TID, "args": {"name": "gradients ready"}}]
-    for name, start, end in _step_spans(events):
+    for name, start, end in step_spans(events):
         out.append({"ph": "X", "name": name, "pid": pid, "tid": STEP_TID, "ts": us(start), "dur": us(end) - us(start)})
     for kind, stamp, fields in events:
         if kind == "grad_ready":
@@ -140,55 +129,3 @@ def write_chrome_trace(path: str, events_by_rank: dict) -> None:
     merged = [ev for rank, events in events_by_rank.items() for ev in trace_events(events, rank, t0)]
     with open(path, "w") as f:
         json.dump({"traceEvents": merged, "displayTimeUnit": "ms"}, f)
-
-
-def plot_timelines(path: str, events_by_rank: dict, title: str = "") -> None:
-    """A PNG with one panel per rank: step phases, gradient-ready ticks, one bar per bucket's all-reduce."""
-    import matplotlib  # lazily: recording never needs it
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    t0 = min((e[1] for events in events_by_rank.values() for e in events), default=0)
-    n_buckets = max((s["bucket"] + 1 for ev in events_by_rank.values() for s in bucket_spans(ev)), default=0)
-    lanes = 2 + n_buckets
-    fig, axes = plt.subplots(len(events_by_rank), 1, sharex=True, squeeze=False,
-                             figsize=(10, 0.9 + 0.42 * lanes * len(events_by_rank)))
-    for ax, (rank, events) in zip(axes[:, 0], events_by_rank.items()):
-        _draw_rank(ax, events, t0, n_buckets, _bucket_colors(plt, n_buckets))
-        ax.set_ylabel(f"rank {rank}", fontsize=9)
-    axes[-1, 0].set_xlabel("time since the first event, ms")
-    axes[0, 0].legend(loc="upper left", fontsize=7, ncol=4, framealpha=0.8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
-def _bucket_colors(plt, n_buckets):
-    """Bucket b -> a colour from a sequential map, distinct from the pale colours of the step phases."""
-    cmap = plt.get_cmap("viridis")
-    return lambda b: cmap(0.85 * b / max(1, n_buckets - 1))
-
-
-def _draw_rank(ax, events, t0, n_buckets, color) -> None:
-    """Lanes, top to bottom: step phases, gradients ready (coloured by bucket), bucket 0, 1, ..."""
-    ms = lambda ns: (ns - t0) / 1e6  # noqa: E731 - a one-line unit conversion
-    phase_colors = {"forward": "#c7e9c0", "backward": "#fdd0a2", "optimizer": "#dadaeb"}
-    for name, start, end in _step_spans(events):
-        ax.barh(0, ms(end) - ms(start), left=ms(start), height=0.6, label=name.split(" ")[0],
-                color=phase_colors.get(name, "lightgray"), edgecolor="black", linewidth=0.3)
-    ticks = [(ms(stamp), f["bucket"]) for kind, stamp, f in events if kind == "grad_ready"]
-    ax.scatter([t for t, _ in ticks], [1] * len(ticks), marker="|", s=120,
-               c=[color(b) for _, b in ticks], linewidths=0.8)
-    for span in bucket_spans(events):
-        y = 2 + span["bucket"]
-        if span["done"] is not None:
-            ax.barh(y, ms(span["done"]) - ms(span["launch"]), left=ms(span["launch"]), height=0.6,
-                    color=color(span["bucket"]), edgecolor="black", linewidth=0.3)
-        if span["last_ready"] is not None:
-            ax.plot([ms(span["last_ready"])], [y], marker=">", color="black", markersize=4)
-    ax.set_yticks(range(2 + n_buckets), ["step", "grads ready"] + [f"bucket {b}" for b in range(n_buckets)],
-                  fontsize=8)
-    ax.set_ylim(1.6 + n_buckets, -0.6)  # first lane on top
-    ax.grid(axis="x", alpha=0.3)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from .sync import broadcast_coalesced
+from .collectives import broadcast_coalesced
 
 
 def find_common_rank(group, device, candidate: bool) -> int:

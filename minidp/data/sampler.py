@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sized
 import torch
 from torch.utils.data import Sampler
 
-from .ranks import get_rank, get_world_size
+from ..ranks import get_rank, get_world_size
 
 EPOCH_MODES = ("manual", "auto", "strict")
 _FINGERPRINT = ("dataset_len", "num_replicas", "shuffle", "drop_last", "pad", "seed")

@@ -1,0 +1,13 @@
+"""The engine: what torch's DistributedDataParallel does, in files a learner reads in order.
+
+  ddp.py          the nn.Module wrapper: verify and broadcast at construction, the collectives
+                  before each forward, no_sync(), register_comm_hook(), join()
+  reducer.py      flat bucket buffers, one hook per parameter, in-order async launch, and the
+                  end-of-backward finalize that waits and writes the averaged gradients back
+  planning.py     pure bucket planning (DDP's layout rules), no process group
+  hooks.py        GradBucket and the default all-reduce hook (DDP's comm-hook contract)
+  collectives.py  coalesced broadcast, cross-rank agreement checks
+  join.py         uneven inputs on torch's Join protocol
+  debug.py        debug mode: per-step fingerprints of what each rank reduces
+  timeline.py     the event recorder behind model.enable_timeline()
+"""
