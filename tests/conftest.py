@@ -8,6 +8,12 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
+# The suite means gloo: on a CUDA machine minidp.init() would otherwise pick NCCL, put CPU tensors
+# through it and seat two ranks on one GPU. Set here, before any test runs, so every child process
+# (minidp.launch workers, `python -m minidp.run`, torchrun, the examples) inherits it. A test that
+# wants NCCL says so: minidp.init(backend="nccl") (an explicit backend= wins over the variable).
+os.environ.setdefault("MINIDP_BACKEND", "gloo")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
