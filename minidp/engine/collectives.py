@@ -1,12 +1,21 @@
-"""Collectives on many tensors at once: check that ranks agree, broadcast state in flat chunks."""
+"""Collectives on many tensors at once: check that ranks agree, broadcast state in flat chunks.
+
+Object collectives here run on a device the caller names (the module's), not on torch's choice:
+torch.distributed.all_gather_object stages its bytes on torch.cuda.current_device() under NCCL, so
+a program that never calls torch.cuda.set_device (torch DDP works without it) would put every rank
+on cuda:0.
+"""
 from __future__ import annotations
 
+import hashlib
+import pickle
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
+PICKLE_PROTOCOL = 4  # fixed, so equal records pickle (and hash) alike on every rank
 
 
 def global_rank(group, group_rank: int) -> int:
@@ -51,15 +60,74 @@ def _chunks(tensors, chunk_bytes):
             yield chunk
 
 
-def check_same_across_ranks(what: str, records: list, group=None) -> None:
+def collective_device(group=None, device=None) -> torch.device:
+    """Where to stage tensors for a collective on `group`: the CPU, unless the backend is NCCL.
+
+    NCCL takes CUDA tensors only: there `device` when it is a CUDA device (pass the module's),
+    else the current CUDA device, as torch does. Gloo and the others take CPU tensors, no copy needed.
+
+    Args:
+        group: the process group. Default None: the world.
+        device: the device the caller's tensors live on (e.g. the module's). Default None.
+    """
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda" and device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def all_gather_objects(obj, group=None, device=None) -> list:
+    """Every rank's `obj` (picklable), in group-rank order; all_gather_object on a chosen device.
+
+    Args:
+        obj: this rank's value.
+        group: the process group. Default None: the world.
+        device: staged on collective_device(group, device). Default None.
+    """
+    device = collective_device(group, device)
+    payload = bytearray(pickle.dumps(obj, protocol=PICKLE_PROTOCOL))
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)  # ranks meet here: how many bytes each rank sends
+    sizes = torch.cat(sizes).tolist()
+    mine = torch.zeros(max(sizes), dtype=torch.uint8)
+    mine[:len(payload)] = torch.frombuffer(payload, dtype=torch.uint8)
+    mine = mine.to(device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)  # ranks meet here: the pickled objects, padded
+    return [pickle.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(gathered, sizes)]
+
+
+def check_same_across_ranks(what: str, records: list, group=None, device=None) -> None:
     """Raise on every rank, naming the first differing entry and the ranks, if ranks disagree.
+
+    Ranks first compare a 32-byte SHA-256 of their pickled records (one small all-gather); only
+    when the digests differ do they gather the records themselves to say where.
 
     Args:
         what: a word for the entries in error messages, e.g. "parameter".
         records: this rank's entries, each a picklable value (e.g. (name, shape, dtype)).
+        group: the process group. Default None: the world.
+        device: where to stage the collectives under NCCL; pass the module's device. Default None
+            (the current CUDA device under NCCL; the CPU under gloo).
     """
-    gathered = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, records, group=group)  # ranks meet here
+    device = collective_device(group, device)
+    digest = hashlib.sha256(pickle.dumps(records, protocol=PICKLE_PROTOCOL)).digest()
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+    digests = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(digests, mine, group=group)  # ranks meet here: 32 bytes per rank
+    if bool((torch.stack(digests) == digests[0]).all()):
+        return
+    # Every rank saw the same digests, so every rank comes here. Equal records may still pickle
+    # differently (pickle shares repeated objects by identity): compare the records themselves.
+    gathered = all_gather_objects(records, group, device)  # ranks meet here
+    _raise_if_different(what, gathered)
+
+
+def _raise_if_different(what: str, gathered: list) -> None:
     reference = gathered[0]
     differing = [r for r, rec in enumerate(gathered) if rec != reference]
     if not differing:

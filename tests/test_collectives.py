@@ -1,0 +1,76 @@
+"""engine/collectives.py: agreement checks and object gathers on real gloo ranks, device choice without any."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+from minidp.engine.collectives import all_gather_objects, check_same_across_ranks, collective_device
+
+
+def _records(rank, world_size, case):
+    base = [("parameter", "a.weight", (4, 3), "torch.float32"), ("parameter", "a.bias", (4,), "torch.float32"),
+            ("settings", "bucket_cap_mb=25")]
+    odd = rank == world_size - 1  # the last rank is the odd one out
+    if case == "shape" and odd:
+        base[1] = ("parameter", "a.bias", (5,), "torch.float32")
+    if case == "extra entry" and odd:
+        base.append(("buffer", "bn.running_mean", (4,), "torch.float32"))
+    if case == "pickled differently":
+        # Equal records, unequal bytes: pickle writes a repeated object once, by identity.
+        name = "".join(["layer"] * 8)
+        same = name if rank == 0 else "".join(["layer"] * 8)
+        base = [("parameter", name), ("parameter", same)]
+    return base
+
+
+def _error_of(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _worker():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for case in ("equal", "shape", "extra entry", "pickled differently"):
+        out[case] = _error_of(check_same_across_ranks, "parameter/buffer/setting", _records(rank, world_size, case),
+                              device="cpu")
+    out["gathered"] = all_gather_objects({"rank": rank, "state": torch.arange(rank + 2)})
+    if world_size == 3:
+        group = dist.new_group([1, 2])  # ranks meet here (every rank creates every group)
+        if rank > 0:  # group ranks 0 and 1 are global ranks 1 and 2
+            out["subgroup"] = _error_of(check_same_across_ranks, "entry", [("x", rank)], group=group)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_agreement_checks_and_object_gather(world_size):
+    odd = world_size - 1
+    for rank, out in enumerate(run_ranks(_worker, world_size)):
+        assert out["equal"] is None and out["pickled differently"] is None
+        shape = out["shape"]
+        assert f"ranks [{odd}] differ from rank 0 at parameter/buffer/setting #1" in shape, shape
+        assert "rank 0: ('parameter', 'a.bias', (4,), 'torch.float32')" in shape
+        assert f"rank {odd}: ('parameter', 'a.bias', (5,), 'torch.float32')" in shape
+        extra = out["extra entry"]
+        assert f"ranks [{odd}] differ from rank 0 at parameter/buffer/setting #3" in extra, extra
+        assert "entry counts seen: [3, 4]" in extra and "rank 0: (none: fewer entries)" in extra
+        assert [g["rank"] for g in out["gathered"]] == list(range(world_size))
+        assert all(torch.equal(g["state"], torch.arange(r + 2)) for r, g in enumerate(out["gathered"]))
+        if world_size == 3 and rank > 0:  # ranks are named by their rank in the group
+            assert "ranks [1] differ from rank 0 at entry #0" in out["subgroup"]
+            assert "rank 0: ('x', 1)" in out["subgroup"] and "rank 1: ('x', 2)" in out["subgroup"]
+
+
+def test_collective_device_follows_the_module_under_nccl_only(monkeypatch):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collective_device(None, torch.device("cuda", 1)) == torch.device("cuda", 1)  # not the current one
+    assert collective_device(None, "cuda:2") == torch.device("cuda", 2)
+    for unpinned in (None, "cpu", "cuda"):  # nothing better to go on: the current device, as torch does
+        assert collective_device(None, unpinned) == torch.device("cuda", 3)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert collective_device(None, "cuda:1") == torch.device("cpu")  # gloo: CPU tensors, no copies
+
