@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .engine.collectives import all_gather_objects, collective_device
+
 MAGIC = b"MINIDPCK"
 HEADER_BYTES = 8 + 16 + 64 + 8  # magic, hex length, hex sha256, padding
 
@@ -27,8 +29,33 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
 
 
-def rng_state() -> dict:
-    """This process's random generators, in weights_only-loadable form."""
+def _model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (or buffer); the CPU for a model with neither."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _cuda_device(device):
+    """The CUDA device whose generator a checkpoint keeps: the model's, else the current one; None without CUDA.
+
+    One device, not all visible devices by index: resumed under another CUDA_VISIBLE_DEVICES,
+    index i names another GPU, and the generator that matters is the one the model draws from.
+    """
+    if not torch.cuda.is_available():
+        return None
+    if device is not None and device.type == "cuda" and device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def rng_state(device: torch.device | None = None) -> dict:
+    """This process's random generators, in weights_only-loadable form.
+
+    Args:
+        device: the model's device; its CUDA generator is saved (else the current CUDA device's).
+            Default None.
+    """
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     try:
         import numpy as np
@@ -37,29 +64,41 @@ def rng_state() -> dict:
         state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss)
     except ImportError:
         pass
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    cuda = _cuda_device(device)
+    if cuda is not None:
+        state["cuda"] = torch.cuda.get_rng_state(cuda)
     return state
 
 
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+def set_rng_state(state: dict, device: torch.device | None = None) -> None:
+    """Restore what rng_state() returned; its tensors may sit on any device (torch.load's map_location).
+
+    Args:
+        state: from rng_state().
+        device: the model's device; its CUDA generator is restored (else the current CUDA device's).
+            Default None.
+    """
+    # Generator states must be CPU ByteTensors: map_location="cuda" moved them to the GPU.
+    torch.set_rng_state(state["torch"].cpu())
     random.setstate(state["python"])
     if "numpy" in state:
         import numpy as np
 
         kind, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        np.random.set_state((kind, keys.cpu().numpy().astype("uint32"), pos, has_gauss, gauss))
+    cuda = _cuda_device(device)
+    if "cuda" in state and cuda is not None:
+        saved = state["cuda"]
+        if isinstance(saved, (list, tuple)):  # older minidp files: every visible device, by index
+            saved = saved[cuda.index] if cuda.index < len(saved) else None
+        if saved is not None:
+            torch.cuda.set_rng_state(saved.cpu(), cuda)
 
 
-def _gather_rng_states() -> list:
+def _gather_rng_states(device: torch.device) -> list:
     if not (dist.is_available() and dist.is_initialized()):
-        return [rng_state()]
-    states = [None] * dist.get_world_size()
-    dist.all_gather_object(states, rng_state())  # ranks meet here
-    return states
+        return [rng_state(device)]
+    return all_gather_objects(rng_state(device), device=device)  # ranks meet here
 
 
 def save_checkpoint(path, model, optimizer=None, scheduler=None, sampler=None, step: int = 0,
@@ -76,24 +115,34 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, sampler=None, s
     """
     path = _check_path(path)
     _check_save_args(model, optimizer, step, epoch)
+    device = _model_device(_unwrap(model))
     payload = {
         "model": _unwrap(model).state_dict(),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "sampler": sampler.state_dict() if sampler is not None else None,
         "step": step, "epoch": epoch, "extra": extra or {},
-        "rng": _gather_rng_states(),
+        "rng": _gather_rng_states(device),
     }
     if _rank() == 0:
         buffer = io.BytesIO()
         torch.save(payload, buffer)
         _write_atomically(path, buffer.getvalue())
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()  # ranks meet here: nobody goes on (or loads) before the file is complete
+        # Under NCCL a barrier is an all-reduce on a GPU: the model's, not whichever is current.
+        where = collective_device(None, device)
+        ids = [where.index] if where.type == "cuda" else None
+        dist.barrier(device_ids=ids)  # ranks meet here: nobody goes on (or loads) before the file is complete
 
 
 def load_checkpoint(path, model, optimizer=None, scheduler=None, sampler=None, map_location="cpu") -> dict:
     """Restore what save_checkpoint stored, including this rank's RNG state; returns the whole payload.
+
+    Args:
+        path: the checkpoint file.
+        model, optimizer, scheduler, sampler: restored in place when given (optimizer etc. default None).
+        map_location: torch.load's, e.g. "cuda" to load the tensors straight onto the GPU; the RNG
+            states come back to the CPU, where torch keeps generator states. Default "cpu".
 
     Raises:
         ValueError: the file is not a minidp checkpoint, is truncated, or fails its hash.
@@ -107,7 +156,7 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, sampler=None, m
             obj.load_state_dict(payload[name])
     rngs, rank = payload["rng"], _rank()
     if len(rngs) == _world_size():
-        set_rng_state(rngs[rank])
+        set_rng_state(rngs[rank], _model_device(_unwrap(model)))
     return payload
 
 

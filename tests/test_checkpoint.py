@@ -40,6 +40,27 @@ def test_round_trip_restores_model_optimizer_step_and_rng(tmp_path):
                        fresh_opt.state_dict()["state"][0]["momentum_buffer"])
 
 
+def _draws():
+    import numpy as np
+
+    return torch.rand(4).tolist(), random.random(), np.random.rand(2).tolist()
+
+
+@pytest.mark.parametrize("map_location", ["cpu", lambda storage, location: storage, {"cpu": "cpu"}, None])
+def test_rng_restored_bitwise_whatever_map_location(tmp_path, map_location):
+    # map_location decides where torch.load puts every tensor, the generator states included;
+    # set_rng_state takes them back to the CPU (on a GPU machine: tests/test_gpu.py, map_location="cuda").
+    model, _ = _small_state(0)
+    path = tmp_path / "ckpt.pt"
+    minidp.save_checkpoint(path, model)
+    expected = _draws()
+    _draws()  # move every generator on
+    minidp.load_checkpoint(path, model, map_location=map_location)
+    assert _draws() == expected  # torch, python and numpy generators, bitwise
+    (state,) = minidp.checkpoint.read_checkpoint(path)["rng"]
+    assert state["torch"].dtype == torch.uint8 and ("cuda" in state) == torch.cuda.is_available()
+
+
 @pytest.mark.parametrize("cut", [0, 5, HEADER_BYTES - 1, HEADER_BYTES, HEADER_BYTES + 100, -1])
 def test_truncated_checkpoint_is_rejected(tmp_path, cut):
     model, opt = _small_state(0)
