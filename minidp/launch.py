@@ -21,6 +21,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
+from .validate import check_int, check_number
+
 POLL_S = 0.05
 GRACE_S = 3.0  # how long a terminated worker gets before SIGKILL
 
@@ -42,14 +44,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def check_topology(nprocs, nnodes, node_rank, master_addr) -> None:
     """Validate the launch arguments shared by launch() and the CLI."""
-    for name, value in (("nprocs", nprocs), ("nnodes", nnodes), ("node_rank", node_rank)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}={value!r} must be an int")
-    if nprocs < 1:
-        raise ValueError(f"nprocs={nprocs} must be >= 1")
-    if nnodes < 1:
-        raise ValueError(f"nnodes={nnodes} must be >= 1")
-    if not 0 <= node_rank < nnodes:
+    check_int("nprocs", nprocs, 1)
+    check_int("nnodes", nnodes, 1)
+    if not 0 <= check_int("node_rank", node_rank) < nnodes:
         raise ValueError(f"node_rank={node_rank} must be in [0, nnodes={nnodes})")
     if nnodes > 1 and not master_addr:
         raise ValueError(f"master_addr={master_addr!r} with nnodes={nnodes}: give the address of node 0")
@@ -60,11 +57,10 @@ def _check_launch_args(fn, args, master_port, timeout) -> None:
         raise TypeError(f"fn={fn!r} must be a callable fn(local_rank, *args) (for a script, use minidp.run)")
     if not isinstance(args, tuple):
         raise TypeError(f"args={args!r} must be a tuple of extra arguments for fn")
-    if master_port is not None and (isinstance(master_port, bool) or not isinstance(master_port, int)
-                                    or not 0 < master_port < 65536):
-        raise ValueError(f"master_port={master_port!r} must be an int in (0, 65536)")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (or None)")
+    if master_port is not None:
+        check_int("master_port", master_port, 1, 65535)
+    if timeout is not None:
+        check_number("timeout", timeout, positive=True)  # seconds
 
 
 def worker_env(local_rank, nprocs, nnodes, node_rank, master_addr, master_port) -> Dict[str, str]:
@@ -105,9 +101,12 @@ def read_error(path: str):
         return float("inf"), None
 
 
-def _spawned_worker(local_rank, fn, args, env, error_path):
+def _spawned_worker(local_rank, fn, args, env, error_path, forked=False):
     # Runs in the child: its own process group (so the parent can kill its whole tree), die with
     # the parent, torchrun's variables, then the user's function.
+    if forked:  # the parent's atexit handlers (IPython's history, temp files) are not ours to run
+        import atexit
+        atexit._clear()
     os.setpgid(0, 0)
     die_with_parent()
     os.environ.update(env)
@@ -244,6 +243,30 @@ class _ExitWaiter:
         self.fds = {}
 
 
+def start_method(fn: Callable) -> str:
+    """"spawn" when the children can import `__main__`, else "fork" (notebooks, `python -`, `python -c`).
+
+    Why: spawn starts a fresh interpreter that re-imports the parent's `__main__` to find `fn`; that
+    fails when `__main__` is not a file (`FileNotFoundError: '<stdin>'`, or no `fn` in the child).
+    Fork needs no import, but a forked child cannot use CUDA once the parent has initialised it.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(getattr(main, "__spec__", None), "name", None) or (path and os.path.isfile(path)):
+        return "spawn"  # `python script.py` or `python -m module`: the child imports it again
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return "fork"
+    if path is None and getattr(fn, "__module__", "__main__") != "__main__":
+        return "spawn"  # e.g. Jupyter with fn imported from a module: the child can import that
+    raise RuntimeError(
+        f"minidp.launch: __main__ is not a file ({path or 'a notebook or python -c'}) and CUDA is already "
+        f"initialised in this process, so the workers can neither be spawned (they cannot import "
+        f"{getattr(fn, '__qualname__', fn)!r} from __main__) nor forked (CUDA does not survive a fork). "
+        "Either call launch() before anything touches CUDA (restart the kernel), or put fn in a .py "
+        "module and import it from there, or run a script with python -m minidp.run.")
+
+
 def launch(
     fn: Callable,
     nprocs: int,
@@ -256,7 +279,8 @@ def launch(
 ) -> None:
     """Run `fn(local_rank, *args)` in `nprocs` new processes on this node, like mp.spawn.
 
-    Global rank = node_rank * nprocs + local_rank. Call minidp.init() inside `fn`.
+    Global rank = node_rank * nprocs + local_rank. Call minidp.init() inside `fn`. Works from a
+    script, a notebook, `python -` and `python -c` (see start_method: those fork instead of spawn).
 
     Args:
         fn: a picklable (module-level) function.
@@ -285,14 +309,15 @@ def launch(
         if nnodes > 1:
             raise ValueError(f"master_port=None with nnodes={nnodes}: every node must be given the same port")
         master_port = free_port(master_addr)
-    context = multiprocessing.get_context("spawn")  # fork is unsafe once torch has started threads
+    method = start_method(fn)
+    context = multiprocessing.get_context(method)
     with tempfile.TemporaryDirectory(prefix="minidp-launch-") as error_dir:
         workers = []
         try:
             for local_rank in range(nprocs):
                 env = worker_env(local_rank, nprocs, nnodes, node_rank, master_addr, master_port)
                 error_path = os.path.join(error_dir, f"rank{env['RANK']}.err")
-                proc = context.Process(target=_spawned_worker, args=(local_rank, fn, args, env, error_path),
+                proc = context.Process(target=_spawned_worker, args=(local_rank, fn, args, env, error_path, method == "fork"),
                                        name=f"minidp-rank{env['RANK']}")
                 proc.start()
                 workers.append(Worker(int(env["RANK"]), proc, error_path))

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from .ranks import get_world_size
-from .validate import check_int
+from .validate import check_choice, check_int, check_number
 
 RULES = ("linear", "sqrt")
 
@@ -40,8 +40,7 @@ def scale_factor(world_size: Optional[int] = None, reference_world_size: int = 1
     """
     world_size = get_world_size() if world_size is None else world_size
     k = check_int("world_size", world_size, 1) / check_int("reference_world_size", reference_world_size, 1)
-    if rule not in RULES:
-        raise ValueError(f"rule={rule!r} must be one of {RULES}")
+    check_choice("rule", rule, RULES)
     return k if rule == "linear" else math.sqrt(k)
 
 
@@ -51,10 +50,7 @@ def scaled_lr(base_lr: float, world_size: Optional[int] = None, reference_world_
 
     Example: scaled_lr(0.1, world_size=8) == 0.8; scaled_lr(1e-3, 16, 4, rule="sqrt") == 2e-3.
     """
-    if isinstance(base_lr, bool) or not isinstance(base_lr, (int, float)):
-        raise TypeError(f"base_lr={base_lr!r} must be a number")
-    if not base_lr >= 0:
-        raise ValueError(f"base_lr={base_lr} must be >= 0")
+    check_number("base_lr", base_lr, low=0)
     return base_lr * scale_factor(world_size, reference_world_size, rule)
 
 

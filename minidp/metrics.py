@@ -21,6 +21,7 @@ def _as_float(name: str, value: Number) -> float:
         if value.numel() != 1:
             raise ValueError(f"{name} is a tensor of shape {tuple(value.shape)}; give one number per name")
         return float(value.detach().cpu().item())
+    # Not validate.check_number: that refuses NaN, and a NaN loss is data to report here, not a mistake.
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}={value!r} must be an int, a float or a one-element tensor")
     return float(value)

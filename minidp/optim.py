@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from .validate import check_bool, check_number
+
 
 def exclude_bias_and_norm(model: nn.Module) -> List[Dict]:
     """Parameter groups with biases and normalisation weights excluded from decay and trust ratio.
@@ -45,30 +47,32 @@ def exclude_bias_and_norm(model: nn.Module) -> List[Dict]:
 
 
 def _check_group(name: str, group: Dict) -> None:
-    """Raise ValueError/TypeError naming the first bad hyper-parameter of `group`."""
-    def bad(key, rule):
-        raise ValueError(f"{name}: {key}={group[key]!r} {rule}")
+    """Raise TypeError/ValueError naming the first bad hyper-parameter of `group` (`name`: the optimizer)."""
+    def pair(key: str) -> List[float]:  # betas, weight_norm_clamp: two numbers
+        value = group[key]
+        if not isinstance(value, (tuple, list)):
+            raise TypeError(f"{name}: {key}={value!r} must be a pair of numbers")
+        if len(value) != 2:
+            raise ValueError(f"{name}: {key}={value!r} must be a pair of numbers")
+        return [check_number(f"{name}: {key}[{i}]", v) for i, v in enumerate(value)]
 
-    if not group["lr"] >= 0:
-        bad("lr", "must be >= 0")
-    if not group["eps"] > 0:
-        bad("eps", "must be > 0")
-    if not group["weight_decay"] >= 0:
-        bad("weight_decay", "must be >= 0")
-    if "momentum" in group and not 0 <= group["momentum"] < 1:
-        bad("momentum", "must be in [0, 1)")
-    if "trust_coefficient" in group and not group["trust_coefficient"] > 0:
-        bad("trust_coefficient", "must be > 0")
-    if "betas" in group:
-        betas = group["betas"]
-        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-            bad("betas", "must be two numbers in [0, 1)")
+    check_number(f"{name}: lr", group["lr"], low=0)
+    check_number(f"{name}: eps", group["eps"], positive=True)
+    check_number(f"{name}: weight_decay", group["weight_decay"], low=0)
+    if "momentum" in group and not 0 <= check_number(f"{name}: momentum", group["momentum"]) < 1:
+        raise ValueError(f"{name}: momentum={group['momentum']!r} must be in [0, 1)")
+    if "trust_coefficient" in group:
+        check_number(f"{name}: trust_coefficient", group["trust_coefficient"], positive=True)
+    if "betas" in group and not all(0 <= b < 1 for b in pair("betas")):
+        raise ValueError(f"{name}: betas={group['betas']!r} must be two numbers in [0, 1)")
     if group.get("weight_norm_clamp") is not None:
-        clamp = group["weight_norm_clamp"]
-        if len(clamp) != 2 or not 0 <= clamp[0] <= clamp[1]:
-            bad("weight_norm_clamp", "must be (low, high) with 0 <= low <= high")
-    if not isinstance(group["trust_ratio"], bool):
-        raise TypeError(f"{name}: trust_ratio={group['trust_ratio']!r} must be True or False")
+        low, high = pair("weight_norm_clamp")
+        if not 0 <= low <= high:
+            raise ValueError(f"{name}: weight_norm_clamp={group['weight_norm_clamp']!r} must be (low, high) "
+                             "with 0 <= low <= high")
+    for flag in ("trust_ratio", "bias_correction"):
+        if flag in group:
+            check_bool(f"{name}: {flag}", group[flag])
 
 
 class _LayerwiseOptimizer(Optimizer):

@@ -45,11 +45,10 @@ def check_bool(name: str, value) -> bool:
 
 
 def check_choice(name: str, value, choices) -> object:
-    """`value` if it is one of `choices`, else ValueError listing them (TypeError if unhashable)."""
-    try:
-        ok = value in choices
-    except TypeError:
-        raise TypeError(f"{name}={value!r} must be one of {sorted(map(repr, choices))}") from None
-    if not ok:
-        raise ValueError(f"{name}={value!r} must be one of {', '.join(map(repr, choices))}")
+    """`value` if it is one of `choices`: TypeError if it is not even of a choice's type, else ValueError."""
+    listed = ", ".join(map(repr, choices))
+    if not any(isinstance(value, type(c)) for c in choices):  # rule=["sqrt"], epoch_mode=3
+        raise TypeError(f"{name}={value!r} must be one of {listed}")
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of {listed}")
     return value

@@ -5,6 +5,7 @@ traced back to its files without any side channel: sharding, padding and shard m
 on the pixels the pipeline actually produced.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -167,6 +168,9 @@ def test_default_normalization_matches_torchvision(folder):
     (dict(rank=0, world_size=1, stick_to_shard=True), ValueError, r"stick_to_shard=True with shuffle='global'"),
     (dict(rank=0, world_size=26), ValueError, r"holds 25 image file\(s\), fewer than world_size=26"),
     (dict(rank=0, world_size=1, batch_size="4"), TypeError, r"batch_size='4' must be an int"),
+    (dict(rank=0, world_size=1, batch_size=0), ValueError, r"batch_size=0 must be >= 1"),
+    (dict(rank=0, world_size=1, flip="yes"), TypeError, r"flip='yes' must be True or False"),
+    (dict(rank=0, world_size=1, num_threads=0), ValueError, r"num_threads=0 must be >= 1"),
 ])
 def test_bad_input(folder, kwargs, error, match):
     kwargs = {"batch_size": BS, "crop": CROP, **kwargs}
@@ -175,7 +179,7 @@ def test_bad_input(folder, kwargs, error, match):
 
 
 def test_bad_folders(tmp_path):
-    with pytest.raises(ValueError, match=r"is not a directory"):
+    with pytest.raises(ValueError, match=re.escape(f"root={str(tmp_path / 'missing')!r} is not a directory")):
         image_folder_loader(str(tmp_path / "missing"), 2, rank=0, world_size=1)
     with pytest.raises(ValueError, match=r"has no class sub-folders"):
         image_folder_loader(str(tmp_path), 2, rank=0, world_size=1)

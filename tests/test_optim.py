@@ -167,22 +167,28 @@ def test_exclude_bias_and_norm():
         exclude_bias_and_norm([nn.Parameter(torch.ones(1))])
 
 
-@pytest.mark.parametrize("cls, kwargs, match", [
-    (LARS, dict(lr=-0.1), r"LARS: lr=-0.1 must be >= 0"),
-    (LARS, dict(momentum=1.0), r"LARS: momentum=1.0 must be in \[0, 1\)"),
-    (LARS, dict(momentum=-0.5), r"LARS: momentum=-0.5 must be in \[0, 1\)"),
-    (LARS, dict(eps=0.0), r"LARS: eps=0.0 must be > 0"),
-    (LARS, dict(weight_decay=-1e-4), r"LARS: weight_decay=-0.0001 must be >= 0"),
-    (LARS, dict(trust_coefficient=0), r"LARS: trust_coefficient=0 must be > 0"),
-    (LAMB, dict(lr=-1), r"LAMB: lr=-1 must be >= 0"),
-    (LAMB, dict(eps=-1e-6), r"LAMB: eps=-1e-06 must be > 0"),
-    (LAMB, dict(betas=(0.9, 1.0)), r"LAMB: betas=\(0.9, 1.0\) must be two numbers in \[0, 1\)"),
-    (LAMB, dict(betas=(-0.1, 0.9)), r"LAMB: betas=\(-0.1, 0.9\) must be two numbers in \[0, 1\)"),
-    (LAMB, dict(weight_decay=-0.01), r"LAMB: weight_decay=-0.01 must be >= 0"),
-    (LAMB, dict(weight_norm_clamp=(2.0, 1.0)), r"weight_norm_clamp=\(2.0, 1.0\) must be \(low, high\)"),
+@pytest.mark.parametrize("cls, kwargs, error, match", [
+    (LARS, dict(lr=-0.1), ValueError, r"LARS: lr=-0.1 must be >= 0"),
+    (LARS, dict(lr="0.1"), TypeError, r"LARS: lr='0.1' must be a number"),
+    (LARS, dict(momentum=1.0), ValueError, r"LARS: momentum=1.0 must be in \[0, 1\)"),
+    (LARS, dict(momentum=-0.5), ValueError, r"LARS: momentum=-0.5 must be in \[0, 1\)"),
+    (LARS, dict(eps=0.0), ValueError, r"LARS: eps=0.0 must be > 0"),
+    (LARS, dict(weight_decay=-1e-4), ValueError, r"LARS: weight_decay=-0.0001 must be >= 0"),
+    (LARS, dict(trust_coefficient=0), ValueError, r"LARS: trust_coefficient=0 must be > 0"),
+    (LARS, dict(trust_coefficient=None), TypeError, r"LARS: trust_coefficient=None must be a number"),
+    (LAMB, dict(lr=-1), ValueError, r"LAMB: lr=-1 must be >= 0"),
+    (LAMB, dict(eps=-1e-6), ValueError, r"LAMB: eps=-1e-06 must be > 0"),
+    (LAMB, dict(betas=(0.9, 1.0)), ValueError, r"LAMB: betas=\(0.9, 1.0\) must be two numbers in \[0, 1\)"),
+    (LAMB, dict(betas=(-0.1, 0.9)), ValueError, r"LAMB: betas=\(-0.1, 0.9\) must be two numbers in \[0, 1\)"),
+    (LAMB, dict(betas=(0.9, 0.99, 0.999)), ValueError, r"LAMB: betas=\(0.9, 0.99, 0.999\) must be a pair"),
+    (LAMB, dict(betas=(0.9, "0.99")), TypeError, r"LAMB: betas\[1\]='0.99' must be a number"),
+    (LAMB, dict(weight_decay=-0.01), ValueError, r"LAMB: weight_decay=-0.01 must be >= 0"),
+    (LAMB, dict(weight_norm_clamp=(2.0, 1.0)), ValueError, r"weight_norm_clamp=\(2.0, 1.0\) must be \(low, high\)"),
+    (LAMB, dict(weight_norm_clamp=1.0), TypeError, r"LAMB: weight_norm_clamp=1.0 must be a pair of numbers"),
+    (LAMB, dict(bias_correction=1), TypeError, r"LAMB: bias_correction=1 must be True or False"),
 ])
-def test_bad_input(cls, kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_input(cls, kwargs, error, match):
+    with pytest.raises(error, match=match):
         cls([nn.Parameter(torch.ones(2))], **kwargs)
 
 

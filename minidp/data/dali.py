@@ -44,7 +44,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..ranks import get_local_rank, get_rank, get_world_size
-from ..validate import check_int
+from ..validate import check_bool, check_choice, check_int
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # torchvision's Normalize constants, for images in [0, 1]
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -127,11 +127,6 @@ class DaliImageLoader:
         """The shard the current (or next) epoch reads: (rank + epoch) % world_size, or rank if stuck."""
         return self.rank if self.stick_to_shard else (self.rank + self.epoch) % self.world_size
 
-    def shard_size(self, shard: Optional[int] = None) -> int:
-        """Files in `shard` (default: self.shard), before any padding."""
-        s = self.shard if shard is None else shard
-        return self.num_files * (s + 1) // self.world_size - self.num_files * s // self.world_size
-
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         if self._current is not None:
             self._current.close()
@@ -212,10 +207,11 @@ def image_folder_loader(
         raise ValueError(f"resize={resize} must be >= crop={crop}")
     if isinstance(shuffle, bool):
         shuffle = "global" if shuffle else "none"
-    if shuffle not in SHUFFLE:
-        raise ValueError(f"shuffle={shuffle!r} must be one of {SHUFFLE} (or a bool)")
-    if last_batch not in LAST_BATCH:
-        raise ValueError(f"last_batch={last_batch!r} must be one of {LAST_BATCH}")
+    check_choice("shuffle", shuffle, SHUFFLE)
+    check_choice("last_batch", last_batch, LAST_BATCH)
+    check_bool("flip", flip)
+    check_bool("stick_to_shard", stick_to_shard)
+    check_int("num_threads", num_threads, 1)
     if shuffle == "global" and stick_to_shard:
         raise ValueError("stick_to_shard=True with shuffle='global': a global reshuffle changes every shard; "
                          "use shuffle='shard' or 'none' to stick to a shard")

@@ -15,23 +15,16 @@ Beyond torch's:
 """
 from __future__ import annotations
 
-import numbers
 from typing import Any, Dict, Iterator, List, Optional, Sized
 
 import torch
 from torch.utils.data import Sampler
 
 from ..ranks import get_rank, get_world_size
+from ..validate import check_bool, check_choice, check_int
 
 EPOCH_MODES = ("manual", "auto", "strict")
 _FINGERPRINT = ("dataset_len", "num_replicas", "shuffle", "drop_last", "pad", "seed")
-
-
-def _check_int(name: str, value: Any) -> int:
-    # bool is an int subclass, but seed=True or rank=False is a mistake, not a number.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name}={value!r} must be an int")
-    return int(value)
 
 
 class DistributedSampler(Sampler[int]):
@@ -84,11 +77,11 @@ class DistributedSampler(Sampler[int]):
         super().__init__()
         if not hasattr(dataset, "__len__"):
             raise TypeError(f"dataset of type {type(dataset).__name__} has no len(); the sampler needs one")
-        num_replicas = _check_int("num_replicas", get_world_size() if num_replicas is None else num_replicas)
-        rank = _check_int("rank", get_rank() if rank is None else rank)
-        seed = _check_int("seed", seed)
-        if num_replicas < 1:
-            raise ValueError(f"num_replicas={num_replicas} must be >= 1")
+        num_replicas = check_int("num_replicas", get_world_size() if num_replicas is None else num_replicas, 1)
+        rank = check_int("rank", get_rank() if rank is None else rank)
+        seed = check_int("seed", seed)
+        shuffle, drop_last = check_bool("shuffle", shuffle), check_bool("drop_last", drop_last)
+        pad, epoch_mode = check_bool("pad", pad), check_choice("epoch_mode", epoch_mode, EPOCH_MODES)
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank={rank} must be in [0, num_replicas={num_replicas})")
         n = len(dataset)
@@ -96,11 +89,9 @@ class DistributedSampler(Sampler[int]):
             raise ValueError(f"drop_last=True with an empty data set (len(dataset)={n}): nothing to sample")
         if drop_last and not pad:
             raise ValueError("drop_last=True drops samples, pad=False (exact mode) keeps each exactly once: pick one")
-        if epoch_mode not in EPOCH_MODES:
-            raise ValueError(f"epoch_mode={epoch_mode!r} must be one of {EPOCH_MODES}")
         self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
-        self.shuffle, self.seed, self.drop_last = bool(shuffle), seed, bool(drop_last)
-        self.pad, self.epoch_mode, self.epoch = bool(pad), epoch_mode, 0
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.pad, self.epoch_mode, self.epoch = pad, epoch_mode, 0
         self._len = n
         if not self.pad:
             self.num_samples = len(range(rank, n, num_replicas))
@@ -120,7 +111,7 @@ class DistributedSampler(Sampler[int]):
 
     def indices(self, epoch: Optional[int] = None) -> List[int]:
         """This rank's indices for `epoch` (default: the current one), in order; changes no state."""
-        epoch = self.epoch if epoch is None else _check_int("epoch", epoch)
+        epoch = self.epoch if epoch is None else check_int("epoch", epoch)
         n = self._len
         if self.shuffle:
             g = torch.Generator()
@@ -168,7 +159,7 @@ class DistributedSampler(Sampler[int]):
         Calling it with the epoch just restored by load_state_dict() keeps the resume point, so the
         usual `for epoch in range(start, n): sampler.set_epoch(epoch)` loop needs no change.
         """
-        epoch = _check_int("epoch", epoch)
+        epoch = check_int("epoch", epoch)
         if epoch != self.epoch:
             self._start = 0
         self.epoch, self._consumed, self._fresh = epoch, self._start, True
@@ -188,7 +179,7 @@ class DistributedSampler(Sampler[int]):
         self._consumed = self._check_position(value, "consumed")
 
     def _check_position(self, value: Any, name: str) -> int:
-        value = _check_int(name, value)
+        value = check_int(name, value)
         if not 0 <= value <= self.num_samples:
             raise ValueError(f"{name}={value} must be in [0, {self.num_samples}] (this rank's indices per epoch)")
         return value
@@ -223,6 +214,6 @@ class DistributedSampler(Sampler[int]):
         if diff:
             raise ValueError("sampler state was saved with other settings (" + "; ".join(diff) + "): "
                              "build the sampler with the saved settings to resume")
-        self.epoch = _check_int("epoch", state["epoch"])
+        self.epoch = check_int("epoch", state["epoch"])
         self._start = self._consumed = self._check_position(state["consumed"], "consumed")
         self._fresh = True
