@@ -1,4 +1,5 @@
 """minidp.resolve_env: torchrun-, SLURM- and argument-shaped identities, without a process group."""
+import dataclasses
 import datetime
 
 import pytest
@@ -47,7 +48,7 @@ def test_node_rank_derived_when_missing():
 
 def test_env_is_frozen():
     env = resolve_env({})
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'rank'"):
         env.rank = 3
 
 
