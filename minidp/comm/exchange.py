@@ -1,0 +1,86 @@
+"""What a compressor works with inside the hook: the bucket as a Job, and a byte-counting Channel.
+
+Everything here runs on the hook's worker thread (see hook.py), one bucket after another, so the
+collectives of consecutive buckets are issued in the same order on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .transports import Transport
+
+
+@dataclass
+class Job:
+    """One bucket, as a compressor sees it.
+
+    tensor: the flat bucket (this rank's gradient sum, with the memory's residual already added);
+        `Compressor.reduce` overwrites it with the average over ranks.
+    keys, numels, shapes: each parameter's stable key (see memory.ParamStore), size and shape, in
+        buffer order.
+    world_size, rank: of the transport.
+    with_memory: whether a memory wants the residual back.
+    """
+
+    tensor: torch.Tensor
+    keys: list[int]
+    numels: list[int]
+    shapes: list[torch.Size]
+    world_size: int
+    rank: int
+    with_memory: bool
+
+
+class Channel:
+    """A transport, used synchronously, counting every byte this rank hands to a collective.
+
+    Empty tensors are skipped (every rank holds the same shapes, so every rank skips them).
+    """
+
+    def __init__(self, transport: Transport):
+        self.transport, self.bytes_sent = transport, 0
+
+    def _count(self, tensor: torch.Tensor) -> bool:
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        return tensor.numel() > 0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place; returns `tensor`."""
+        if self._count(tensor):
+            self.transport.all_reduce(tensor).wait()  # ranks meet here
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor`, stacked: shape (world_size, *tensor.shape)."""
+        out = tensor.new_empty((self.transport.world_size, *tensor.shape))
+        if self._count(tensor):
+            self.transport.all_gather(out.view(-1), tensor.contiguous().view(-1)).wait()  # ranks meet here
+        return out
+
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Chunk r of `tensor` (split on dim 0) goes to rank r; chunk r of the result came from rank r."""
+        out = torch.empty_like(tensor)
+        if self._count(tensor):
+            self.transport.all_to_all(out.view(-1), tensor.contiguous().view(-1)).wait()  # ranks meet here
+        return out
+
+    def all_gather_parts(self, parts: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """All-gather a payload of several tensors (any dtypes) as one byte buffer: one collective.
+
+        Returns, for each rank, its parts with their shapes and dtypes. Every rank's parts must have
+        the same shapes and dtypes (a compressor's payload size depends only on the bucket size).
+        """
+        flat = [p.contiguous().reshape(-1).view(torch.uint8) for p in parts]
+        gathered = self.all_gather(torch.cat(flat))  # (world_size, total bytes)
+        result = []
+        for row in gathered:
+            offset, mine = 0, []
+            for part, raw in zip(parts, flat):
+                # clone: a dtype view needs its byte offset aligned to the element size
+                chunk = row[offset:offset + raw.numel()].clone()
+                mine.append(chunk.view(part.dtype).view(part.shape))
+                offset += raw.numel()
+            result.append(mine)
+        return result

@@ -1,0 +1,184 @@
+"""compression_hook: any compressor, memory and transport as a DDP comm hook, overlapped with backward.
+
+    state, hook = comm.compression_hook(comm.TopK(ratio=0.01), memory=comm.ErrorFeedback(), start_iter=10)
+    model.register_comm_hook(state, hook)     # minidp.DDP or torch DDP
+    state.stats()                             # {"steps", "bytes_sent", "bytes_dense", "ratio"}
+
+The hook itself only queues the bucket and returns a future. One worker thread per state takes
+buckets in the order DDP launched them and runs each one's whole exchange (compress, collectives,
+decompress, memory update) while backward goes on. Why one thread: multi-round methods (PowerSGD's
+P then Q, Sign's worker then server stage) must issue their collectives in the same order on every
+rank; chaining them in the transport's callbacks would interleave buckets differently per rank.
+On CUDA the worker runs on the stream that was current when the bucket was launched.
+"""
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+
+import torch
+
+from ..validate import check_int
+from .compressors import Compressor
+from .exchange import Channel, Job
+from .memory import Memory
+from .transports import TorchDist, Transport
+
+
+class CompressionState:
+    """The hook's state: compressor, memory, transport, byte counters, and the worker thread.
+
+    Build it with compression_hook(); see that function for the arguments.
+    """
+
+    def __init__(self, compressor: Compressor, memory: Memory | None, transport: Transport, start_iter: int):
+        self.compressor, self.memory, self.transport, self.start_iter = compressor, memory, transport, start_iter
+        self.channel = Channel(transport)
+        self.steps = 0  # iterations launched (counted at each iteration's last bucket)
+        self.bytes_dense = 0  # what exact all-reduce would have sent
+        self.bytes_analytical = 0  # what the compressors' formulas say was sent
+        self._keys: dict[int, int] = {}  # id(parameter) -> stable key, in order of first appearance
+        self._key_params: list = []  # keeps the parameters alive, so their ids stay theirs
+        self._key_numels: list[int] = []
+        self._checked: set = set()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: str | None = None
+
+    # ---- on the autograd thread ---------------------------------------------------------------
+
+    def launch(self, bucket) -> torch.futures.Future:
+        """Queue one bucket; the future's value is the bucket buffer, averaged, once the worker is done."""
+        buffer = bucket.buffer()
+        self._check(buffer)
+        params = list(bucket.parameters())
+        numels = [p.numel() for p in params]
+        if sum(numels) != buffer.numel():
+            raise RuntimeError(f"compression_hook: bucket {bucket.index()} holds {buffer.numel()} elements, "
+                               f"its parameters {sum(numels)}")
+        compress = self.steps >= self.start_iter
+        if bucket.is_last():
+            self.steps += 1
+        job = Job(buffer, [self._key(p) for p in params], numels, [p.shape for p in params],
+                  self.transport.world_size, self.transport.rank, compress and self.memory is not None)
+        cuda = buffer.device.type == "cuda"
+        future = torch.futures.Future(devices=[buffer.device]) if cuda else torch.futures.Future()
+        stream = torch.cuda.current_stream(buffer.device) if cuda else None
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="minidp-comm", daemon=True)
+            self._thread.start()
+        self._queue.put((job, compress, future, stream))
+        return future
+
+    def _check(self, buffer: torch.Tensor) -> None:
+        kind = (buffer.device, buffer.dtype)
+        if kind not in self._checked:  # once per device and dtype: these raise on bad input
+            self.compressor.check(buffer)
+            self.transport.check_device(buffer.device)
+            self._checked.add(kind)
+
+    def _key(self, param) -> int:
+        key = self._keys.get(id(param))
+        if key is None:
+            key = self._keys[id(param)] = len(self._key_params)
+            self._key_params.append(param)
+            self._key_numels.append(param.numel())
+        return key
+
+    # ---- on the worker thread -----------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            job, compress, future, stream = self._queue.get()
+            try:
+                if self._error:  # a failed bucket leaves the ranks out of step: do not start more collectives
+                    raise RuntimeError(f"compression_hook: an earlier bucket failed: {self._error}")
+                on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+                with on_stream:
+                    self._reduce(job, compress)
+                    future.set_result(job.tensor)  # on CUDA: records an event on this stream
+            except Exception as exc:  # noqa: BLE001 - handed to whoever waits on the bucket
+                self._error = self._error or f"{type(exc).__name__}: {exc}"
+                future.set_exception(exc)
+            finally:
+                self._queue.task_done()
+
+    def _reduce(self, job: Job, compress: bool) -> None:
+        dense = job.tensor.numel() * job.tensor.element_size()
+        if not compress:  # before start_iter: exact average, torch's allreduce_hook arithmetic
+            job.tensor.div_(job.world_size)
+            self.channel.all_reduce(job.tensor)  # ranks meet here
+            self.bytes_analytical += dense
+        else:
+            if job.with_memory:
+                self.memory.compensate(job.tensor, job.keys, job.numels)
+            residual = self.compressor.reduce(job, self.channel)  # ranks meet here (one or more rounds)
+            if job.with_memory:
+                self.memory.update(residual, job.keys, job.numels)
+            self.bytes_analytical += self.compressor.payload_bytes(job.shapes, job.tensor.dtype, job.world_size)
+        self.bytes_dense += dense
+
+    # ---- between steps ------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """This rank since the start: steps, bytes handed to collectives, bytes exact all-reduce would send."""
+        self._queue.join()
+        sent, dense = self.channel.bytes_sent, self.bytes_dense
+        return {"steps": self.steps, "bytes_sent": sent, "bytes_dense": dense, "ratio": sent / dense if dense else 0.0}
+
+    def state_dict(self) -> dict:
+        """Residuals, memories, generators and counters of this rank (tensors and plain values only)."""
+        self._queue.join()  # no bucket in flight
+        return {"steps": self.steps, "bytes_sent": self.channel.bytes_sent, "bytes_dense": self.bytes_dense,
+                "bytes_analytical": self.bytes_analytical, "param_numels": list(self._key_numels),
+                "memory": self.memory.state_dict() if self.memory is not None else None,
+                "compressor": self.compressor.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what state_dict() returned (on the same rank), before the next step."""
+        self._queue.join()
+        known = self._key_numels[:len(state["param_numels"])]
+        if known != state["param_numels"][:len(known)]:
+            raise ValueError(f"state_dict: parameter sizes {state['param_numels']} do not match this model's "
+                             f"{self._key_numels}")
+        if (state["memory"] is None) != (self.memory is None):
+            raise ValueError(f"state_dict: memory={'none' if state['memory'] is None else 'saved'} does not "
+                             f"match this hook's memory={self.memory!r}")
+        self.steps, self.channel.bytes_sent = state["steps"], state["bytes_sent"]
+        self.bytes_dense, self.bytes_analytical = state["bytes_dense"], state["bytes_analytical"]
+        if self.memory is not None:
+            self.memory.load_state_dict(state["memory"])
+        self.compressor.load_state_dict(state["compressor"])
+
+    def __repr__(self) -> str:
+        return (f"CompressionState(compressor={self.compressor!r}, memory={self.memory!r}, "
+                f"transport={self.transport!r}, start_iter={self.start_iter}, steps={self.steps})")
+
+
+def hook(state: CompressionState, bucket) -> torch.futures.Future:
+    """The comm hook compression_hook returns: DDP's contract, hook(state, bucket) -> Future[Tensor]."""
+    return state.launch(bucket)  # ranks meet on the worker thread (async)
+
+
+def compression_hook(compressor: Compressor, memory: Memory | None = None, transport: Transport | None = None,
+                     start_iter: int = 0):
+    """(state, hook) for model.register_comm_hook(state, hook): compressed averaging of every bucket.
+
+    Every rank must call it (the default transport makes a process group).
+
+    Args:
+        compressor: a comm compressor (FP16(), BF16(), TopK(r), RandomK(r), QSGD(s), Sign(), PowerSGD(r))
+            or your own Compressor subclass.
+        memory: comm.ErrorFeedback() or another Memory; None (default): no error feedback.
+        transport: comm.TorchDist(group) or comm.CupyNccl(); None (default): TorchDist() over the world.
+        start_iter: iterations averaged exactly before compression starts. Default 0.
+    """
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"compressor={compressor!r} must be a minidp.comm Compressor (e.g. comm.TopK(0.01))")
+    if memory is not None and not isinstance(memory, Memory):
+        raise TypeError(f"memory={memory!r} must be a minidp.comm Memory (e.g. comm.ErrorFeedback()) or None")
+    if transport is not None and not isinstance(transport, Transport):
+        raise TypeError(f"transport={transport!r} must be a minidp.comm Transport (TorchDist(), CupyNccl()) or None")
+    start_iter = check_int("start_iter", start_iter, low=0)
+    return CompressionState(compressor, memory, transport if transport is not None else TorchDist(), start_iter), hook
