@@ -7,6 +7,7 @@ The gradient averaging itself lives in reducer.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -16,6 +17,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from . import debug as debug_mode
 from .collectives import broadcast_coalesced, check_same_across_ranks
+from .hooks import call_comm_hook, check_comm_hook, hook_name
 from .join import DDPJoinHook, find_common_rank, vote_to_sync
 from .reducer import Reducer
 from .timeline import Timeline
@@ -167,14 +169,20 @@ class DistributedDataParallel(nn.Module, Joinable):
     def register_comm_hook(self, state, hook: Callable) -> None:
         """Replace the all-reduce of each bucket by `hook(state, bucket) -> Future[Tensor]`.
 
-        DDP's contract: the hook averages (gradients arrive unscaled), and the future's value is
-        the reduced buffer. Register it once, before training starts.
+        DDP's contract (checked as DDP checks it, see hooks.py): the hook averages (gradients arrive
+        unscaled), and the future's value is the reduced buffer. Register it once, before training.
+
+        Args:
+            state: passed to every call of the hook (e.g. a process group, a compressor's state).
+            hook: `hook(state, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]`.
         """
-        if not callable(hook):
-            raise TypeError(f"hook={hook!r} must be callable as hook(state, bucket)")
+        check_comm_hook(hook)  # TypeError / ValueError, as torch DDP's _check_comm_hook
         if self.reducer.custom_hook:
-            raise RuntimeError("register_comm_hook: a communication hook is registered already (only one)")
-        self.reducer.comm_hook, self.reducer.comm_state, self.reducer.custom_hook = hook, state, True
+            raise RuntimeError("register_comm_hook can only be called once: a communication hook is "
+                               f"registered already ({hook_name(self.reducer.comm_hook.args[0])})")
+        # Every call goes through call_comm_hook, which checks that the hook returned a Future.
+        self.reducer.comm_hook, self.reducer.comm_state = functools.partial(call_comm_hook, hook), state
+        self.reducer.custom_hook = True
 
     def enable_timeline(self) -> Timeline:
         """Start recording gradient-ready, launch and completion events; returns the Timeline."""

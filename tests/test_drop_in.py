@@ -1,0 +1,129 @@
+"""minidp.DDP as a drop-in for torch DDP: the comm-hook contract's errors, pickling, deepcopy.
+
+Side by side with torch DDP in the same processes: where torch raises, minidp raises the same
+exception type (with a message that names the hook and what was wrong).
+"""
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import minidp
+from harness import run_ranks
+from models import build
+
+# ---- the comm-hook contract ---------------------------------------------------------------------
+
+
+def _done(value):
+    future = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def torch_typed(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def minidp_typed(state, bucket: minidp.hooks.GradBucket) -> torch.futures.Future:
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def string_typed(state, bucket: "dist.GradBucket") -> "torch.futures.Future[torch.Tensor]":
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def other_names(process_group, grads):  # torch looks the annotation up by the name `bucket` (KeyError)
+    return default_hooks.allreduce_hook(process_group, grads)
+
+
+def bucket_is_int(state, bucket: int):
+    return _done(bucket.buffer())
+
+
+def returns_int(state, bucket) -> int:
+    return _done(bucket.buffer())
+
+
+def returns_tensor(state, bucket):
+    return bucket.buffer()
+
+
+def returns_none(state, bucket):  # torch DDP crashes the process (segfault): minidp only
+    return None
+
+
+def too_short(state, bucket):
+    return _done(bucket.buffer()[:-1].clone())
+
+
+def _outcome(fn, *args):
+    """fn(*args)'s result, or (exception type name, message) of what it raises."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the type is what the test compares
+        return type(exc).__name__, str(exc)
+
+
+def _register_and_step(engine, hook, twice=False):
+    model = engine(build("mlp"))
+    model.register_comm_hook(None, hook)
+    if twice:
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    model(torch.randn(4, 8)).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+HOOK_CASES = {  # name: (hook, register twice, also run under torch DDP)
+    "not_callable": (42, False, True),
+    "bucket_annotated_int": (bucket_is_int, False, True),
+    "returns_annotated_int": (returns_int, False, True),
+    "registered_twice": (default_hooks.allreduce_hook, True, True),
+    "returns_tensor": (returns_tensor, False, True),
+    "returns_none": (returns_none, False, False),
+    "value_too_short": (too_short, False, True),
+    "torch_typed": (torch_typed, False, True),
+    "minidp_typed": (minidp_typed, False, False),
+    "string_typed": (string_typed, False, False),
+    "other_names": (other_names, False, False),
+}
+
+
+def _hook_worker():
+    out = {}
+    for name, (hook, twice, with_torch) in HOOK_CASES.items():
+        engines = {"minidp": minidp.DDP, "torch": TorchDDP} if with_torch else {"minidp": minidp.DDP}
+        for label, engine in engines.items():
+            torch.manual_seed(dist.get_rank())
+            out[name, label] = _outcome(_register_and_step, engine, hook, twice)
+    return out
+
+
+def test_comm_hook_contract_errors_as_torch_ddp():
+    results = run_ranks(_hook_worker, 2, timeout=200)
+    for res in results:
+        for name, (_, _, with_torch) in HOOK_CASES.items():
+            ours = res[name, "minidp"]
+            if with_torch:  # the same outcome: the same exception type, or gradients bitwise equal
+                theirs = res[name, "torch"]
+                if isinstance(theirs, tuple):
+                    assert isinstance(ours, tuple) and ours[0] == theirs[0], (name, ours, theirs)
+                else:
+                    assert isinstance(ours, list), (name, ours)
+                    assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), name
+        expected = {
+            "not_callable": ("TypeError", ["hook=42", "callable"]),
+            "bucket_annotated_int": ("ValueError", ["bucket_is_int", "'bucket'", "int", "dist.GradBucket"]),
+            "returns_annotated_int": ("ValueError", ["returns_int", "int", "torch.futures.Future"]),
+            "registered_twice": ("RuntimeError", ["only be called once", "allreduce_hook"]),
+            "returns_tensor": ("RuntimeError", ["returns_tensor", "must return a torch.futures.Future", "Tensor"]),
+            "returns_none": ("RuntimeError", ["returns_none", "must return a torch.futures.Future", "NoneType"]),
+            "value_too_short": ("RuntimeError", []),
+        }
+        for name, (error, words) in expected.items():
+            got = res[name, "minidp"]
+            assert isinstance(got, tuple) and got[0] == error, (name, got)
+            for word in words:
+                assert word in got[1], (name, word, got[1])
+        for name in ("torch_typed", "minidp_typed", "string_typed", "other_names"):
+            assert isinstance(res[name, "minidp"], list), (name, res[name, "minidp"])
