@@ -59,8 +59,6 @@ def describe(job: dict) -> str:
 def run_jobs(jobs: list[dict], world_size: int, backend: str, device_kind: str, threads: int = 1,
              timeout: float = 1800.0, verbose: bool = True) -> list[dict]:
     """Run `jobs` in order on `world_size` new processes; returns rank 0's result per job."""
-    if HERE not in sys.path:
-        sys.path.insert(0, HERE)
     with tempfile.TemporaryDirectory(prefix="minidp-bench-") as tmp:
         out_path = os.path.join(tmp, "results.json")
         minidp.launch(_entry, world_size, args=(jobs, out_path, backend, device_kind, threads, verbose),

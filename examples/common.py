@@ -7,6 +7,7 @@ evaluation, checkpoints, the JSON report) lives here.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -25,8 +26,9 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock
 
 import minidp
+from minidp.data.dali import IMAGENET_MEAN, IMAGENET_STD
 
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, as minidp.data's DALI loader
+MEAN, STD = IMAGENET_MEAN, IMAGENET_STD  # torchvision's Normalize values, the DALI loader's defaults
 DEFAULT_LR = {"sgd": 0.05, "lars": 0.05, "lamb": 2e-3}  # base lr for one worker, before scaling
 DEFAULT_WD = {"sgd": 5e-4, "lars": 5e-4, "lamb": 0.01}
 # A small, fast preset for tests: 60 + 20 images of 16x16, a narrow net, a few steps.
@@ -236,19 +238,8 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace, steps_per_epoch: 
     total = args.epochs * steps_per_epoch
     warmup = min(total, round(args.warmup_epochs * steps_per_epoch))
     sched = minidp.lr.warmup_scheduler(opt, warmup_steps=warmup, world_size=world_size,
-                                       rule=lr_rule(args),
-                                       decay=_Cosine(total - warmup))
+                                       rule=lr_rule(args), decay=functools.partial(cosine, total=total - warmup))
     return opt, sched
-
-
-@dataclass
-class _Cosine:
-    """Picklable decay for the scheduler (a lambda would not go into a checkpoint)."""
-
-    total: int
-
-    def __call__(self, step: int) -> float:
-        return cosine(step, self.total)
 
 
 # ----------------------------------------------------------------------------- evaluation, checkpoints

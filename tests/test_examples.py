@@ -1,8 +1,9 @@
 """The two training examples end to end in their --tiny mode (2 workers, 60 images of 16x16, 3 steps).
 
 Each run is a real command line in a subprocess: spawned by the example itself (minidp.launch) or
-under `python -m minidp.run`. The checkpoint is reloaded into a fresh model and must give the
-accuracy the run reported. A few pure checks of the shared pieces need no process at all.
+under `python -m minidp.run`. The torchvision example runs with minidp and with torch DDP on the same
+seed, and the two must end bitwise equal; the checkpoint is reloaded into a fresh model and must
+give the accuracy the run reported. A few pure checks of the shared pieces need no process at all.
 """
 import argparse
 import json
@@ -20,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 sys.path.insert(0, EXAMPLES)
 
+import demo  # noqa: E402
 import train_torchvision  # noqa: E402
 
 import common  # noqa: E402 - examples/ is not a package
@@ -30,9 +32,9 @@ LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RA
                "MASTER_ADDR", "MASTER_PORT")
 
 
-def run_example(tmp_path, script, *options, under_minidp_run=False) -> dict:
+def run_example(tmp_path, script, *options, under_minidp_run=False, name="report") -> dict:
     """Run examples/<script> in tiny mode with 2 workers; return its JSON report."""
-    report = tmp_path / "report.json"
+    report = tmp_path / f"{name}.json"
     cmd = [os.path.join(EXAMPLES, script), "--tiny", "--report", str(report), *options]
     cmd = [sys.executable, "-m", "minidp.run", "--nproc-per-node", "2", *cmd] if under_minidp_run else \
         [sys.executable, *cmd, "--nproc-per-node", "2"]
@@ -44,16 +46,25 @@ def run_example(tmp_path, script, *options, under_minidp_run=False) -> dict:
         return json.load(f)
 
 
-def test_torchvision_spawned_and_checkpoint_reloads(tmp_path):
-    out = run_example(tmp_path, "train_torchvision.py", "--synthetic-dir", str(tmp_path / "data"),
-                      "--checkpoint", str(tmp_path / "ckpt"))
+def test_torchvision_minidp_spawned_equals_torch_ddp_under_minidp_run(tmp_path):
+    # The same tiny run twice, on the same data and seed, with SyncBatchNorm and LARS: minidp's engine
+    # spawned by the example itself, then torch's DDP under `python -m minidp.run`.
+    same = ["--synthetic-dir", str(tmp_path / "data"), "--sync-bn", "--optimizer", "lars"]
+    out = run_example(tmp_path, "train_torchvision.py", *same, "--checkpoint", str(tmp_path / "minidp"),
+                      name="minidp")
+    ddp = run_example(tmp_path, "train_torchvision.py", *same, "--engine", "ddp", "--checkpoint",
+                      str(tmp_path / "ddp"), under_minidp_run=True, name="ddp")
     assert out["engine"] == "minidp" and out["world_size"] == 2 and out["steps"] == common.TINY["max_steps"]
+    assert ddp["engine"] == "ddp" and ddp["world_size"] == 2 and ddp["steps"] == out["steps"]
+    # At 2 ranks minidp is bitwise torch DDP: the same weights, BatchNorm statistics, losses and accuracy.
+    assert demo.max_difference(out["checkpoint"], ddp["checkpoint"])[0] == 0.0
+    assert out["history"] == ddp["history"]
     (record,) = out["history"]
     assert record["val_count"] == 20 and torch.isfinite(torch.tensor(record["train_loss"]))
 
-    model = common.resnet18_cifar(10, width=common.TINY["width"])
+    model = common.resnet18_cifar(10, width=common.TINY["width"])  # SyncBatchNorm keeps BatchNorm's keys
     ckpt = minidp.load_checkpoint(out["checkpoint"], model)  # verified, weights_only, strict
-    assert out["checkpoint"] == str(tmp_path / "ckpt" / "epoch0.pt") and ckpt["epoch"] == 0
+    assert out["checkpoint"] == str(tmp_path / "minidp" / "epoch0.pt") and ckpt["epoch"] == 0
     assert {"sampler", "args", "metrics"} <= set(ckpt["extra"]) and ckpt["optimizer"] is not None
     assert ckpt["extra"]["sampler"]["consumed"] == 3 * 4 and ckpt["scheduler"]["last_epoch"] == 3
     # Rank 0's weights and statistics, evaluated in one process, give the accuracy the 2 ranks reported.
@@ -64,11 +75,21 @@ def test_torchvision_spawned_and_checkpoint_reloads(tmp_path):
     assert sums["loss_sum"] / 20 == pytest.approx(record["val_loss"], rel=1e-4)
 
 
-def test_torchvision_under_minidp_run_with_ddp_syncbn_lars(tmp_path):
-    out = run_example(tmp_path, "train_torchvision.py", "--synthetic-dir", str(tmp_path / "data"),
-                      "--engine", "ddp", "--sync-bn", "--optimizer", "lars", under_minidp_run=True)
-    assert out["engine"] == "ddp" and out["world_size"] == 2 and out["checkpoint"] is None
-    assert torch.isfinite(torch.tensor(out["history"][0]["val_loss"]))
+@pytest.mark.parametrize("optimizer, cls", [("sgd", torch.optim.SGD), ("lars", minidp.optim.LARS),
+                                            ("lamb", minidp.optim.LAMB)])
+def test_make_optimizer_warms_up_to_the_scaled_lr_then_decays(optimizer, cls):
+    args = common.parse_args("test", ["--optimizer", optimizer, "--epochs", "2", "--warmup-epochs", "0.5"])
+    opt, sched = common.make_optimizer(common.resnet18_cifar(10, width=4), args, steps_per_epoch=4, world_size=4)
+    assert type(opt) is cls and [g["weight_decay"] for g in opt.param_groups][1] == 0.0  # biases, norms
+    lrs = []
+    for _ in range(8):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    peak = minidp.lr.scaled_lr(args.lr, 4, rule="sqrt" if optimizer == "lamb" else "linear")
+    assert lrs[0] == pytest.approx(args.lr) and lrs[2] == pytest.approx(peak)  # 2 warm-up steps, then the peak
+    assert lrs[2:] == pytest.approx([peak * common.cosine(s, 6) for s in range(6)])  # cosine over the 6 others
+    assert sched.state_dict()["lr_lambdas"] == [{}, {}]  # nothing unpicklable goes into a checkpoint
 
 
 def test_dali_spawned_exact_validation_with_an_empty_batch(tmp_path):
@@ -117,8 +138,6 @@ def test_resnet18_keeps_torchvision_names_and_width():
 
 
 def test_demo_compares_checkpoints_written_by_minidp(tmp_path):
-    import demo
-
     model = common.resnet18_cifar(10, width=4)
     minidp.save_checkpoint(tmp_path / "a.pt", model)
     minidp.save_checkpoint(tmp_path / "b.pt", model)
