@@ -9,7 +9,12 @@ One iteration, as the code runs it:
      starts an async all-reduce. Launching strictly in bucket order keeps every rank issuing the
      same collectives in the same order, whatever order their gradients arrive in.
   4. The autograd engine's end-of-backward callback (queued by the first hook) launches what is
-     left, waits for every bucket, and writes the averaged gradients back.
+     left, waits for every bucket, exchanges the iteration's status (did every rank's backward
+     succeed?) and writes the averaged gradients back.
+
+A backward that raises (an error in the model, an out-of-memory caught and retried) skips step 4
+on that rank, possibly after launching some buckets; see `prepare_for_forward` for how the ranks
+stay in step and equal.
 """
 from __future__ import annotations
 
@@ -68,7 +73,9 @@ class Reducer:
         self.ready = [False] * len(self.params)
         self.ready_order: list[int] = []  # first synced iteration: the order gradients arrived in
         self.rebuilt = not (static_graph or not find_unused_parameters)  # DDP rebuilds only then
-        self.next_bucket, self.callback_queued, self.error = 0, False, None
+        # reducing: a gradient hook fired in this iteration, so collectives may be in flight; the
+        # iteration is open until _finalize (or, after a failed backward, prepare_for_forward) closes it.
+        self.next_bucket, self.reducing = 0, False
         sizes = [p.numel() * p.element_size() for p in self.params]
         keys = [(p.dtype, p.device) for p in self.params]
         limits = planning.bucket_limits(bucket_cap_mb, True, find_unused_parameters, static_graph)
@@ -123,10 +130,30 @@ class Reducer:
 
     # ---- one iteration ------------------------------------------------------------------------
 
-    def raise_if_failed(self) -> None:
-        """Re-raise a previous iteration's failure: its gradients were never fully reduced."""
-        if self.error:
-            raise RuntimeError(self.error)
+    def prepare_for_forward(self) -> None:
+        """Called first in every forward: close an iteration whose backward raised on this rank.
+
+        Why: a backward that raises after its first gradient hook may have launched only some of the
+        iteration's bucket all-reduces on this rank, while ranks whose backward succeeded launched all
+        of them and now wait for this rank. Before this rank issues any other collective (which would
+        pair with theirs), it launches the missing buckets (zeros) and reports the failure in the
+        iteration's status all-reduce. Every rank then discards the iteration, and ranks whose
+        backward had succeeded raise from it too: every rank's loop sees the same error, skips the
+        same optimizer step, and the ranks stay equal. Zeros rather than a partial buffer: the values
+        are discarded everywhere, they only need to be defined.
+        """
+        if not self.reducing:
+            return
+        self.expect_hooks = False
+        for bucket in self.buckets[self.next_bucket:]:
+            bucket.buffer.zero_()
+            bucket.pending, bucket.deferred = 0, []
+        self._launch_ready_buckets()  # ranks meet here: the buckets this rank had not launched
+        self._end_iteration(failed=True)
+        if self.timeline is not None:
+            self.timeline.record("failed_iteration_closed")
+
+    raise_if_failed = prepare_for_forward  # the name ddp.py calls today
 
     def prepare_for_backward(self, divisor_work=None) -> None:
         """Arm the hooks for the next backward (called after a forward that syncs).
@@ -152,9 +179,10 @@ class Reducer:
         if self.ready[index]:
             raise RuntimeError(f"minidp: parameter {self.names[index]!r} got a gradient twice in one "
                                "backward; each parameter may be reduced once per iteration")
-        if not self.callback_queued:
-            Variable._execution_engine.queue_callback(self._finalize)  # runs at the end of backward
-            self.callback_queued = True
+        if not self.reducing:
+            # Runs at the end of this backward, and only if it succeeds (the engine drops it otherwise).
+            Variable._execution_engine.queue_callback(self._finalize)
+            self.reducing = True
             if self.divisor_work is not None:  # join(): divide by the ranks still training
                 self.divisor_work.wait()
                 self.divisor = int(self.divisor_work.result()[0].item())
@@ -224,22 +252,67 @@ class Reducer:
             self.next_bucket += 1
 
     def _finalize(self) -> None:
-        """End of backward: reduce what is left, wait for every bucket, write gradients back."""
-        self.callback_queued, self.expect_hooks = False, False
+        """End of backward: reduce what is left, agree that every rank succeeded, write gradients back."""
+        self.expect_hooks = False
         if self.timeline is not None:
             self.timeline.record("backward_end")
         missing = [i for i, r in enumerate(self.ready) if not r]
         if missing and not self.find_unused:
-            self._fail_unused(missing)
+            # A failed backward like any other: the next forward closes the iteration (prepare_for_forward).
+            raise RuntimeError(self._unused_message(missing))
         for i in missing:  # find_unused_parameters: this rank contributes zeros for them
             self.bucket_of[i].views[self.slot_of[i]].zero_()
             self.bucket_of[i].pending -= 1
         self._launch_ready_buckets()
-        globally_unused = self._globally_unused() if self.find_unused else set()
-        for bucket in self.buckets:
-            self._write_back(bucket, self._wait(bucket), globally_unused)
+        results, failed_ranks, used = self._end_iteration(failed=False)
+        if failed_ranks:
+            raise RuntimeError(
+                f"minidp.DDP on rank {self.rank}: the backward of iteration {self.iteration} raised on rank(s) "
+                f"{failed_ranks}, so every rank discards this iteration's gradients (none were averaged). "
+                "Skip optimizer.step() and call optimizer.zero_grad(), as those ranks do after their own "
+                "error, then go on: the ranks stay equal.")
+        globally_unused = {i for i, count in enumerate(used) if count == 0} if self.find_unused else set()
+        for bucket, result in zip(self.buckets, results):
+            self._write_back(bucket, result, globally_unused)
         if self.timeline is not None:
             self.timeline.record("finalize_end")
+
+    def _end_iteration(self, failed: bool):
+        """Wait for every bucket, exchange the iteration's status, and close the iteration.
+
+        The status all-reduce holds one flag per rank (did its backward fail?) and, with
+        find_unused_parameters, one count per parameter (how many ranks produced its gradient). It
+        comes after waiting for the buckets, so that a comm hook's own chained collectives are all
+        issued before it, in the same order on every rank.
+
+        Returns:
+            (reduced buffers by bucket, failed group ranks, per-parameter use counts or None)
+        """
+        results = [self._wait(bucket) for bucket in self.buckets]
+        status = torch.zeros(self.world_size + len(self.params) * self.find_unused, dtype=torch.int32,
+                             device=self.buckets[0].buffer.device)
+        status[self.rank] = int(failed)
+        if self.find_unused:
+            status[self.world_size:] = torch.tensor(self.ready, dtype=torch.int32)
+        self._all_reduce_status(status)
+        counts = status.tolist()
+        failed_ranks = [r for r in range(self.world_size) if counts[r]]
+        self.reducing = False
+        for bucket in self.buckets:
+            bucket.future, bucket.deferred = None, []
+        if failed_ranks and not self.rebuilt:
+            # Every rank drops the failed iteration's ready order, so all rebuild after the same iteration.
+            self.ready_order = []
+        return results, failed_ranks, counts[self.world_size:] if self.find_unused else None
+
+    def _all_reduce_status(self, status: torch.Tensor) -> None:
+        try:
+            dist.all_reduce(status, group=self.group)  # ranks meet here: once per synced iteration, last
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"minidp.DDP on rank {self.rank}: iteration {self.iteration}: the end-of-backward status "
+                f"all-reduce failed; likely {debug_mode.LIKELY_CAUSES}, or a rank's backward raised and it "
+                f"ran no forward afterwards (MINIDP_DEBUG=1 checks every step). Cause: {exc}") from exc
 
     def _wait(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's reduced buffer; a failure names this rank, the iteration and the bucket."""
@@ -271,17 +344,14 @@ class Reducer:
             futures.append(self.comm_hook(self.comm_state, grad_bucket))  # ranks meet here (async)
         for future in futures:
             future.wait()
-        if self.find_unused:  # match the used-parameter count: this rank used none
-            zeros = torch.zeros(len(self.params), dtype=torch.int32, device=self.buckets[0].buffer.device)
-            dist.all_reduce(zeros, group=self.group)  # ranks meet here
-        if not self.rebuilt and not self.ready_order:
+        # Match the status all-reduce: this rank's backward did not fail, and it used no parameter.
+        status = torch.zeros(self.world_size + len(self.params) * self.find_unused, dtype=torch.int32,
+                             device=self.buckets[0].buffer.device)
+        self._all_reduce_status(status)
+        if not self.rebuilt and any(status[:self.world_size].tolist()):
+            self.ready_order = []  # the iteration failed on a training rank: as in _end_iteration
+        elif not self.rebuilt and not self.ready_order:
             self.ready_order = list(range(len(self.params)))  # as DDP: a joined rank votes for the default
-
-    def _globally_unused(self) -> set:
-        """Indices of parameters no rank produced a gradient for: their .grad stays untouched."""
-        used = torch.tensor(self.ready, dtype=torch.int32, device=self.buckets[0].buffer.device)
-        dist.all_reduce(used, group=self.group)  # ranks meet here
-        return {i for i, count in enumerate(used.tolist()) if count == 0}
 
     def _write_back(self, bucket: Bucket, result: torch.Tensor, skip: set) -> None:
         copy_to, copy_from = [], []  # batched into one op below
@@ -304,12 +374,8 @@ class Reducer:
         if copy_to:
             torch._foreach_copy_(copy_to, copy_from)
 
-    def _fail_unused(self, missing: list[int]) -> None:
-        for bucket in self.buckets[:self.next_bucket]:  # let launched collectives finish cleanly
-            bucket.future.wait()
+    def _unused_message(self, missing: list[int]) -> str:
         names = [self.names[i] for i in missing]
-        self.error = (
-            f"minidp.DDP: {len(names)} parameter(s) got no gradient in the last backward: {names}. "
-            "Every parameter must take part in the loss each iteration; otherwise pass "
-            "find_unused_parameters=True (unused parameters are then reduced as zeros).")
-        raise RuntimeError(self.error)
+        return (f"minidp.DDP: {len(names)} parameter(s) got no gradient in the last backward: {names}. "
+                "Every parameter must take part in the loss each iteration; otherwise pass "
+                "find_unused_parameters=True (unused parameters are then reduced as zeros).")
