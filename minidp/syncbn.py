@@ -13,8 +13,15 @@ Numerics follow torch.nn.SyncBatchNorm: the running variance gets the unbiased g
 mode normalises with the running statistics and does not communicate. Unlike torch's, which needs
 a GPU, this one also runs on CPU (gloo). Double backward is not supported.
 
-The variance is E[x^2] - E[x]^2 of the global sums: in float32 it loses digits when a channel's
-mean is much larger than its spread; half/bfloat16 inputs are accumulated in float32.
+On CUDA it runs torch's own fused kernels in torch's order (batch_norm_stats, an all-gather of
+[mean | invstd | count], batch_norm_gather_stats_with_counts, batch_norm_elemt; backward_reduce,
+an all-reduce, backward_elemt), so it gives torch.nn.SyncBatchNorm's results, but without its host
+sync (torch drops empty batches with a boolean mask, whose size the host must read): empty batches
+are moved after the others on the device instead. With momentum=None the averaging factor is read
+from num_batches_tracked, one host read per layer, as in torch.
+
+On CPU the variance is E[x^2] - E[x]^2 of the global sums: in float32 it loses digits when a
+channel's mean is much larger than its spread; half/bfloat16 inputs are accumulated in float32.
 """
 from __future__ import annotations
 
@@ -49,8 +56,83 @@ def _update_running(running: Optional[torch.Tensor], value: torch.Tensor, factor
         running.mul_(1.0 - factor).add_(value.to(running.dtype), alpha=factor)
 
 
+def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
+    """(world, numel): every rank's `t`, in group-rank order; group=None: this rank's alone."""
+    if group is None:
+        return t.unsqueeze(0)
+    world = dist.get_world_size(group)
+    if dist.get_backend(group) == "gloo":  # gloo has no all_gather_into_tensor
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t, group=group)  # ranks meet here
+        return torch.stack(parts)
+    out = torch.empty(world, t.numel(), dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t, group=group)  # ranks meet here
+    return out
+
+
+def _channels_last_or_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """What torch's fused kernels take: channels-last as it is, anything else made contiguous."""
+    if t.is_contiguous(memory_format=torch.channels_last) or t.is_contiguous(memory_format=torch.channels_last_3d):
+        return t
+    return t.contiguous()
+
+
+class _FusedSyncBatchNormFn(torch.autograd.Function):
+    """CUDA: torch.nn.SyncBatchNorm's fused kernels, without a host sync. group=None: local batch."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
+        x, channels = _channels_last_or_contiguous(x), x.shape[1]
+        weight = weight.contiguous() if weight is not None else None
+        if x.numel() > 0:
+            mean, invstd = torch.batch_norm_stats(x, eps)
+            count = torch.full((1,), x.numel() // channels, dtype=mean.dtype, device=x.device)
+        else:  # an empty batch still joins the collective; invstd 1 keeps the kernel's 0 * (1/invstd)^2 finite
+            mean = torch.zeros(channels, dtype=_stat_dtype(x.dtype), device=x.device)
+            invstd, count = torch.ones_like(mean), mean.new_zeros(1)
+        gathered = _all_gather(torch.cat([mean, invstd, count]), group)  # (world, 2C + 1)
+        # The kernel merges ranks in order, dividing by the count so far: an empty batch first would
+        # give 0/0. Stable-sort the empty ones last, on the device (rank order otherwise kept).
+        gathered = gathered[torch.argsort((gathered[:, -1] == 0).to(torch.int32), stable=True)]
+        mean_all, invstd_all, count_all = gathered.split(channels, dim=1)
+        counts = count_all.reshape(-1)
+        if running_mean is not None and counts.dtype != running_mean.dtype:
+            counts = counts.to(running_mean.dtype)
+        mean, invstd = torch.batch_norm_gather_stats_with_counts(
+            x, mean_all, invstd_all, running_mean, running_var, momentum, eps, counts)
+        ctx.save_for_backward(x, weight, mean, invstd, count_all.to(torch.int32))
+        ctx.group = group
+        if x.numel() == 0:
+            return torch.empty_like(x)
+        return torch.batch_norm_elemt(x, weight, bias, mean, invstd, eps)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, mean, invstd, counts = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        if x.numel() == 0:  # the peers wait for this rank's sums; zero gradients keep DDP's hooks firing
+            if need_x:
+                _all_reduce(mean.new_zeros(2 * x.shape[1]), ctx.group)
+            zeros = [torch.zeros_like(t) if t is not None and need else None
+                     for t, need in ((x, need_x), (weight, need_w), (weight, need_b))]
+            return (*zeros, None, None, None, None, None)
+        dy = _channels_last_or_contiguous(dy)
+        sum_dy, sum_dy_xmu, grad_w, grad_b = torch.batch_norm_backward_reduce(
+            dy, x, mean, invstd, weight, need_x, need_w, need_b)
+        if need_x:
+            both = _all_reduce(torch.cat([sum_dy, sum_dy_xmu]), ctx.group)  # one collective
+            sum_dy, sum_dy_xmu = both.split(x.shape[1])
+            w = weight.to(mean.dtype) if weight is not None and weight.dtype != mean.dtype else weight
+            grad_x = torch.batch_norm_backward_elemt(dy, x, mean, invstd, w, sum_dy, sum_dy_xmu, counts)
+        # Weight and bias gradients stay local: the data-parallel wrapper averages them.
+        return (grad_x, grad_w if weight is not None and need_w else None,
+                grad_b if weight is not None and need_b else None, None, None, None, None, None)
+
+
 class _SyncBatchNormFn(torch.autograd.Function):
-    """Batch norm over the global batch. group=None computes over the local batch only."""
+    """Batch norm over the global batch, in plain tensor ops (CPU). group=None: the local batch only."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
@@ -60,7 +142,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         # One tensor, one collective: [sum | sum of squares | count], so ranks with different
         # batch sizes (even empty ones) weigh in by their number of samples.
         stats = _all_reduce(torch.cat([xs.sum(dims), (xs * xs).sum(dims), count]), group)
-        total = stats[-1].item()
+        total = stats[-1].item()  # CPU only (CUDA has its own function): a memory read, not a device sync
         if total <= 1:
             raise ValueError(f"SyncBatchNorm: expected more than 1 value per channel when training, "
                              f"got {int(total)} over all ranks (input shape {tuple(x.shape)})")
@@ -183,8 +265,8 @@ class SyncBatchNorm(_BatchNorm):
         if group is None:
             return F.batch_norm(x, running_mean, running_var, self.weight, self.bias,
                                 use_batch_stats, factor, self.eps)
-        return _SyncBatchNormFn.apply(x, self.weight, self.bias, running_mean, running_var,
-                                      self.eps, factor, group)
+        fn = _FusedSyncBatchNormFn if x.is_cuda else _SyncBatchNormFn
+        return fn.apply(x, self.weight, self.bias, running_mean, running_var, self.eps, factor, group)
 
 
 def _convert(module: nn.Module, process_group) -> nn.Module:
