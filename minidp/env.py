@@ -197,12 +197,31 @@ def init(
     return dataclasses.replace(spec, device=device, backend=backend)
 
 
-def _rendezvous_store(spec: DistEnv, timeout: datetime.timedelta) -> dist.TCPStore:
-    """The TCP key-value store the ranks meet through; rank 0's listens on master_addr only.
+def _agent_store_serves(spec: DistEnv, environ: Mapping[str, str]) -> bool:
+    """Whether torchrun's agent already hosts the store at spec's master_addr:master_port.
 
-    Why not init_method="tcp://...": torch's store server then listens on every interface; a
-    socket bound to master_addr (127.0.0.1 on one node) keeps the rendezvous off the network.
+    torchrun (torch.distributed.run) runs a TCPStore on MASTER_ADDR:MASTER_PORT for its workers and
+    says so with TORCHELASTIC_USE_AGENT_STORE=True; the promise holds for that address only, so
+    explicit master_addr/master_port arguments that point elsewhere get minidp's own store. This is
+    the test torch's env:// rendezvous makes (torch.distributed.rendezvous._agent_store_serves).
     """
+    return (environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and environ.get("MASTER_ADDR") == spec.master_addr
+            and environ.get("MASTER_PORT") == str(spec.master_port))
+
+
+def _rendezvous_store(spec: DistEnv, timeout: datetime.timedelta) -> dist.Store:
+    """The TCP key-value store the ranks meet through.
+
+    Under torchrun every rank is a client of the agent's store, under the key prefix "default_pg",
+    exactly as torch's env:// rendezvous (init_process_group without a store) connects. Elsewhere
+    (minidp.run, minidp.launch, SLURM, explicit arguments) rank 0 hosts the store, listening on
+    master_addr only. Why not init_method="tcp://...": torch's store server then listens on every
+    interface; a socket bound to master_addr (127.0.0.1 on one node) keeps the rendezvous off the network.
+    """
+    if _agent_store_serves(spec, os.environ):
+        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout)
+        return dist.PrefixStore("default_pg", store)  # the agent's store is shared: keep to our keys
     if spec.rank != 0:
         return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout)
     family = socket.AF_INET6 if ":" in spec.master_addr else socket.AF_INET

@@ -1,0 +1,172 @@
+"""minidp under the REAL torchrun (torch.distributed.run): its agent store, its environment, its errors.
+
+torchrun's agent hosts a TCPStore on MASTER_PORT and tells the workers so
+(TORCHELASTIC_USE_AGENT_STORE=True); minidp.init() must join it as a client, as torch's env://
+rendezvous does, instead of starting a second server on the same port. Each launcher form runs once
+(every torchrun start costs seconds on 2 cores), so the forms share the runs:
+
+  torchrun --nproc-per-node 2 (static rendezvous)   the torchvision example; a failing rank
+  python -m torch.distributed.run --standalone       the DALI example
+  --rdzv-backend c10d --rdzv-endpoint, two "nodes"   tests/scripts/torchrun_check.py, world size 4
+
+The runs start in the background from a module fixture, and each test waits for its own.
+"""
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from minidp.env import _agent_store_serves, resolve_env
+from minidp.launch import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+sys.path.insert(0, SCRIPTS)
+
+from processes import VENV_BIN, Command, Pool  # noqa: E402
+
+TORCHRUN = [os.path.join(VENV_BIN, "torchrun")]  # the console script pip installs with torch
+PYTHON_M = [sys.executable, "-m", "torch.distributed.run"]
+CHECK = os.path.join(SCRIPTS, "torchrun_check.py")
+TIMEOUT_S = 240  # per command; a hung rendezvous or collective ends here, with its tree killed
+ACCURACY = re.compile(r"epoch 1/1  train loss [\d.]+  val loss [\d.]+  val accuracy ([\d.]+)% of 20 images")
+HAVE_DALI = True
+try:
+    import nvidia.dali  # noqa: F401
+except ImportError:
+    HAVE_DALI = False
+
+
+def _example(tmp, launcher, script, *options):
+    report = tmp / f"{script}.json"
+    cmd = [*launcher, "--nproc-per-node", "2", os.path.join("examples", script), "--tiny",
+           "--synthetic-dir", str(tmp / "data"), "--report", str(report), *options]
+    return (lambda: [Command(cmd, ROOT, timeout=TIMEOUT_S)]), report
+
+
+def _check(tmp, name, *launch_options, nodes=1, fail_rank=None):
+    out_dir = tmp / name
+    out_dir.mkdir()
+    extra = [] if fail_rank is None else ["--fail-rank", str(fail_rank)]
+
+    def start():  # the "nodes" are torchrun processes on this machine, started together
+        node_rank = (lambda n: ["--node-rank", str(n)]) if nodes > 1 else (lambda n: [])
+        return [Command([*TORCHRUN, *launch_options, *node_rank(n), CHECK, str(out_dir), *extra],
+                        ROOT, timeout=TIMEOUT_S) for n in range(nodes)]
+    return start, out_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Start every torchrun of this file in the background (two at a time); a test waits for its own."""
+    tmp = tmp_path_factory.mktemp("torchrun")
+    endpoint = f"127.0.0.1:{free_port()}"
+    groups = {
+        "torchvision": _example(tmp, TORCHRUN, "train_torchvision.py"),
+        "nodes": _check(tmp, "nodes", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", endpoint, "--rdzv-id", "minidp-test", nodes=2),
+        "fail": _check(tmp, "fail", "--nproc-per-node", "2", fail_rank=1),
+    }
+    if HAVE_DALI:
+        groups["dali"] = _example(tmp, [*PYTHON_M, "--standalone"], "train_dali.py")
+    pool = Pool(max_running=2)
+    yield {name: (pool.submit(start), where) for name, (start, where) in groups.items()}
+    pool.close()  # kills whatever a failed test left running
+
+
+def _wait(runs, name):
+    future, where = runs[name]
+    return future.result(), where
+
+
+def _check_lines(output):
+    """{rank: fields} from torchrun_check.py's `check:` lines."""
+    found = {}
+    for m in re.finditer(r"check: rank (\d+) local_rank (\d+) node (\d+) world (\d+) device (\w+) sum ([\d.]+)",
+                         output):
+        rank, local, node, world, device, total = m.groups()
+        found[int(rank)] = dict(local=int(local), node=int(node), world=int(world), device=device, sum=float(total))
+    return found
+
+
+def _assert_example(result, report):
+    assert result.returncode == 0, result
+    assert "Address already in use" not in result.output
+    accuracies = ACCURACY.findall(result.output)
+    assert len(accuracies) == 1, result  # printed by rank 0 only
+    with open(report) as f:
+        out = json.load(f)
+    assert out["world_size"] == 2 and out["steps"] == 3 and out["history"][0]["val_count"] == 20
+    assert float(accuracies[0]) == pytest.approx(100 * out["history"][0]["val_accuracy"], abs=0.01)
+
+
+def test_torchvision_example_under_torchrun(runs):
+    """The issue's command: `torchrun --nproc-per-node 2 examples/train_torchvision.py --tiny`."""
+    (result,), report = _wait(runs, "torchvision")
+    _assert_example(result, report)
+
+
+@pytest.mark.skipif(not HAVE_DALI, reason="needs NVIDIA DALI")
+def test_dali_example_under_python_m_torch_distributed_run_standalone(runs):
+    (result,), report = _wait(runs, "dali")
+    _assert_example(result, report)
+
+
+def test_two_nodes_with_c10d_rendezvous_pin_devices_and_go_local_rank_zero_first(runs):
+    results, out_dir = _wait(runs, "nodes")
+    for r in results:
+        assert r.returncode == 0, r
+    ranks = _check_lines("".join(r.output for r in results))
+    assert sorted(ranks) == [0, 1, 2, 3]
+    assert all(v["world"] == 4 and v["sum"] == 1 + 2 + 3 + 4 for v in ranks.values())
+    # Global rank = node rank * 2 + local rank, whichever agent the c10d rendezvous made node 0.
+    assert {r: (v["node"], v["local"]) for r, v in ranks.items()} == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
+    assert {v["device"] for v in ranks.values()} == {"cuda" if _cuda() else "cpu"}
+    events = open(out_dir / "events.log").read().splitlines()
+    assert len(events) == 8, events
+    zero_done = max(events.index("end node0 local0"), events.index("end node1 local0"))
+    others_start = min(events.index("start node0 local1"), events.index("start node1 local1"))
+    assert zero_done < others_start, events  # local rank 0 of *every* node first, then the others
+
+
+def test_failing_rank_under_torchrun_is_reported_with_its_message(runs):
+    (result,), out_dir = _wait(runs, "fail")
+    assert result.returncode != 0, result
+    ranks = _check_lines(result.output)  # the static rendezvous worked: both ranks all-reduced
+    assert sorted(ranks) == [0, 1] and all(v["sum"] == 3 and v["world"] == 2 for v in ranks.values()), result
+    events = open(out_dir / "events.log").read().splitlines()
+    assert events == ["start node0 local0", "end node0 local0", "start node0 local1", "end node0 local1"]
+    # torchrun passes the worker's traceback through and names it as the root cause.
+    assert "ValueError: rank 1 fails on purpose after the all-reduce" in result.output, result
+    root_cause = result.output.partition("Root Cause (first observed failure):")[2]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", root_cause), result
+    _assert_dead(out_dir, 2)
+
+
+def _assert_dead(out_dir, n):
+    for r in range(n):
+        pid = int(open(out_dir / f"{r}.pid").read())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("environ, explicit, expected", [
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True"}, {}, True),
+    ({"TORCHELASTIC_USE_AGENT_STORE": "False"}, {}, False),  # e.g. torchrun with a restarted agent store
+    ({}, {}, False),  # minidp.run, minidp.launch, SLURM: minidp hosts the store
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True"}, {"master_port": 29999}, False),  # explicitly elsewhere
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True"}, {"master_addr": "10.0.0.9"}, False),
+])
+def test_agent_store_is_used_only_where_torchrun_serves_it(environ, explicit, expected):
+    environ = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "localhost",
+               "MASTER_PORT": "29500", **environ}
+    spec = resolve_env(environ, **explicit)
+    assert _agent_store_serves(spec, environ) is expected
