@@ -13,6 +13,8 @@ from typing import Dict, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
+from .engine.collectives import collective_device
+
 Number = Union[int, float, torch.Tensor]
 
 
@@ -33,7 +35,8 @@ def _is_integer(value: Number) -> bool:
     return isinstance(value, numbers.Integral)
 
 
-def all_reduce_sums(values: Mapping[str, Number], group: Optional[dist.ProcessGroup] = None) -> Dict[str, Number]:
+def all_reduce_sums(values: Mapping[str, Number], group: Optional[dist.ProcessGroup] = None,
+                    device: Optional[torch.device] = None) -> Dict[str, Number]:
     """Sum every value over the ranks of `group` in one all-reduce; return the sums by name.
 
     Every rank must call it with the same names. Integer inputs (ints, integer tensors) come back
@@ -43,6 +46,9 @@ def all_reduce_sums(values: Mapping[str, Number], group: Optional[dist.ProcessGr
     Args:
         values: name -> int, float or one-element tensor, e.g. {"correct": 93, "count": 100}.
         group: the process group. Default: the world.
+        device: where the sum runs under NCCL (CUDA tensors only there): e.g. the model's device.
+            Default None: the device of the first CUDA tensor among `values`, else the current
+            CUDA device. Under gloo the sum runs on the CPU whatever `device` says.
 
     Example:
         sampler = minidp.DistributedSampler(val_set, shuffle=False, pad=False)
@@ -57,10 +63,9 @@ def all_reduce_sums(values: Mapping[str, Number], group: Optional[dist.ProcessGr
         return {}
     flat = [_as_float(k, values[k]) for k in names]
     if dist.is_available() and dist.is_initialized():
-        # NCCL reduces CUDA tensors only; gloo (and the others) take CPU tensors.
-        on_cuda = dist.get_backend(group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
-        buf = torch.tensor(flat, dtype=torch.float64, device=device)
+        if device is None:  # the values' own GPU, not whichever is current (set_device may never be called)
+            device = next((v.device for v in values.values() if isinstance(v, torch.Tensor) and v.is_cuda), None)
+        buf = torch.tensor(flat, dtype=torch.float64, device=collective_device(group, device))
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)  # ranks meet here
         flat = buf.cpu().tolist()
     return {k: int(round(v)) if _is_integer(values[k]) else v for k, v in zip(names, flat)}

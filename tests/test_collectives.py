@@ -74,3 +74,15 @@ def test_collective_device_follows_the_module_under_nccl_only(monkeypatch):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     assert collective_device(None, "cuda:1") == torch.device("cpu")  # gloo: CPU tensors, no copies
 
+
+
+def test_metrics_sum_on_the_device_the_caller_names(monkeypatch):
+    from minidp import metrics
+
+    seen = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(metrics, "collective_device", lambda group, device: seen.append(device) or torch.device("cpu"))
+    monkeypatch.setattr(dist, "all_reduce", lambda buf, op=None, group=None: buf.mul_(2))  # two ranks alike
+    assert metrics.all_reduce_sums({"n": 3, "loss": 0.5}, device=torch.device("cuda", 1)) == {"loss": 1.0, "n": 6}
+    assert metrics.all_reduce_sums({"n": torch.tensor(2)}) == {"n": 4}
+    assert seen == [torch.device("cuda", 1), None]  # no CUDA value, no device: collective_device decides
