@@ -24,6 +24,8 @@ def _train_then_die(local_rank, pid_dir):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(1000):
         if step == 5 and dist.get_rank() == 1:
+            with open(os.path.join(pid_dir, "killed_at"), "w") as f:
+                f.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
@@ -31,13 +33,26 @@ def _train_then_die(local_rank, pid_dir):
 
 
 def test_rank_killed_mid_training_stops_everyone_quickly(tmp_path):
-    start = time.monotonic()
     with pytest.raises(minidp.WorkerFailed) as info:
-        minidp.launch(_train_then_die, 2, args=(str(tmp_path),), timeout=60)
-    elapsed = time.monotonic() - start
+        minidp.launch(_train_then_die, 2, args=(str(tmp_path),), timeout=120)
+    after_kill = time.time() - float((tmp_path / "killed_at").read_text())
     assert info.value.rank == 1 and "killed by signal SIGKILL" in str(info.value), str(info.value)
     assert_dead(str(tmp_path), 2)
-    assert elapsed < 30, f"{elapsed:.1f} s from start to the launcher's error"
+    # Well under the 20 s collective timeout: the launcher saw the death, it did not wait for rank 0 to time out.
+    assert after_kill < 15, f"{after_kill:.1f} s from the kill to the launcher's error"
+
+
+# ---- one 2-rank run for join and the desyncs that leave the group usable ------------------------
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    # Join first, while the group is clean; each desync case then ends in an error on every rank
+    # at the same collective, so the group stays usable for the next case.
+    return run_ranks(_two_rank_worker, 2, timeout=200, collective_timeout=30)
+
+
+def _two_rank_worker():
+    return {"join": _join_worker((5, 7)), **_desync_worker()}
 
 
 # ---- desync -------------------------------------------------------------------------------------
@@ -58,9 +73,8 @@ def _desync_worker():
     }
 
 
-def test_desync_skipped_backward_and_different_bucket_cap_named_on_every_rank():
-    results = run_ranks(_desync_worker, 2, timeout=120, collective_timeout=20)
-    for rank, res in enumerate(results):
+def test_desync_skipped_backward_and_different_bucket_cap_named_on_every_rank(two_ranks):
+    for rank, res in enumerate(two_ranks):
         assert res["skip_backward"] is not None, f"rank {rank} saw no error"
         kind, skip = res["skip_backward"]
         assert kind == "RuntimeError", res
@@ -83,10 +97,8 @@ def _one_step_fewer():
 def test_desync_one_step_fewer_names_rank_iteration_and_bucket():
     # Without debug mode, gloo may pair rank 0's extra all-reduce with rank 1's shutdown (it matches
     # collectives by order only): debug mode's fingerprint turns that into a clear error.
-    start = time.monotonic()
-    with pytest.raises(minidp.WorkerFailed) as info:
+    with pytest.raises(minidp.WorkerFailed) as info:  # the message below is debug mode's, not a timeout's
         run_ranks(_one_step_fewer, 2, timeout=120, collective_timeout=20)
-    assert time.monotonic() - start < 60
     message = str(info.value)
     assert info.value.rank == 0
     assert "failed on rank 0 at iteration 6 (forward, before bucket 0 [" in message
@@ -126,9 +138,16 @@ def _join_worker(batches_per_rank):
     return out
 
 
-@pytest.mark.parametrize("batches", [(5, 7), (5, 7, 6)], ids=["world2", "world3"])
-def test_join_uneven_inputs_equals_torch_ddp_join(batches):
-    results = run_ranks(_join_worker, len(batches), batches, timeout=200, collective_timeout=30)
+def _assert_join_equal(results):
     for rank, res in enumerate(results):
+        assert set(res) == set(JOIN_CASES)
         for case, diff in res.items():
             assert diff == 0.0, f"rank {rank}, {case}: max abs difference from torch DDP's join {diff}"
+
+
+def test_join_uneven_inputs_equals_torch_ddp_join_two_ranks(two_ranks):
+    _assert_join_equal([res["join"] for res in two_ranks])
+
+
+def test_join_uneven_inputs_equals_torch_ddp_join_three_ranks():
+    _assert_join_equal(run_ranks(_join_worker, 3, (5, 7, 6), timeout=200, collective_timeout=30))
