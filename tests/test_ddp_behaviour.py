@@ -2,7 +2,6 @@
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -77,7 +76,6 @@ def _error_worker():
         "unused": _error_of(_unused_without_flag),
         "bucket_cap_zero": _error_of(lambda: minidp.DDP(build("mlp"), bucket_cap_mb=0)),
         "bucket_cap_negative": _error_of(lambda: minidp.DDP(build("mlp"), bucket_cap_mb=-5)),
-        "sparse": _error_of(lambda: minidp.DDP(nn.Embedding(10, 3, sparse=True))),
         "no_trainable": _error_of(lambda: minidp.DDP(build("mlp").requires_grad_(False))),
         "device_ids_on_cpu": _error_of(lambda: minidp.DDP(build("mlp"), device_ids=[0])),
         "not_a_module": _error_of(lambda: minidp.DDP(lambda x: x)),
@@ -156,7 +154,6 @@ def test_overlap_first_bucket_launched_before_last_gradient(two_ranks):
     ("unused", "RuntimeError", ["rare.weight", "never.bias", "find_unused_parameters=True"]),
     ("bucket_cap_zero", "ValueError", ["bucket_cap_mb=0"]),
     ("bucket_cap_negative", "ValueError", ["bucket_cap_mb=-5"]),
-    ("sparse", "ValueError", ["sparse=True", "Embedding"]),
     ("no_trainable", "RuntimeError", ["no parameter that requires a gradient"]),
     ("device_ids_on_cpu", "ValueError", ["device_ids=[0]"]),
     ("not_a_module", "TypeError", ["module=function"]),

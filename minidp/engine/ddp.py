@@ -84,7 +84,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             states = [p for _, p in module.named_parameters()] + list(module.buffers())
             broadcast_coalesced(states, process_group)  # ranks meet here: rank 0's weights win
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], process_group, bucket_cap_mb,
-                               find_unused_parameters, gradient_as_bucket_view, static_graph, self.debug)
+                               find_unused_parameters, gradient_as_bucket_view, static_graph, self.debug,
+                               Reducer.sparse_gradient_flags(module, [p for _, p in named]))
 
     def _verify_across_ranks(self, named, bucket_cap_mb) -> None:
         """Every rank must wrap the same parameters (and settings); say where they differ."""
@@ -209,10 +210,6 @@ def _check_arguments(module, bucket_cap_mb, unsupported) -> None:
     for name, value in unsupported.items():
         if value not in (None, False):
             raise ValueError(f"minidp.DDP does not support {name}={value!r}")
-    for name, sub in module.named_modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
-            raise ValueError(f"module {name!r} ({type(sub).__name__}) has sparse=True: minidp reduces only "
-                             "dense gradients; use sparse=False")
 
 
 def _check_flags(**flags) -> None:

@@ -8,6 +8,8 @@ an order that depends on where it sits in the buffer):
     bucket until its byte size reaches the current limit (>=, so a bucket may pass the limit by
     one tensor), then starts a new one and moves on to the next limit of the list (staying on the
     last limit);
+  * a parameter with a sparse gradient gets a bucket of its own, added when it is walked (sparse
+    tensors cannot share a flat buffer); it takes no part in the size limits;
   * leftover partial buckets are added at the end;
   * at construction the order is registration order, the buckets are sorted by their smallest
     index and the list is reversed (the last-defined parameters' gradients arrive first); inside a
@@ -46,7 +48,7 @@ def bucket_limits(bucket_cap_mb: float | None, first_iteration: bool, find_unuse
 
 
 def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], limits: Sequence[int],
-                   order: Sequence[int] | None = None) -> list[list[int]]:
+                   order: Sequence[int] | None = None, sparse: Sequence[bool] = ()) -> list[list[int]]:
     """Cut tensors into buckets by byte size; DDP's compute_bucket_assignment_by_size.
 
     Args:
@@ -55,6 +57,8 @@ def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], limits: Seque
         limits: byte limits, used in turn per group; the last one repeats.
         order: tensor indices in the order to walk them. Default: 0, 1, 2, ... in which case the
             buckets are sorted by their smallest index, as DDP does.
+        sparse: by tensor index, whether its gradient is sparse (each gets a bucket of its own).
+            Default: none.
 
     Returns:
         A list of buckets, each a list of tensor indices in the order walked.
@@ -66,6 +70,9 @@ def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], limits: Seque
     limit_pos: dict = {}
     result = []
     for index in walk:
+        if sparse and sparse[index]:
+            result.append([index])
+            continue
         key = keys[index]
         bucket = open_buckets.setdefault(key, [[], 0])
         bucket[0].append(index)
@@ -81,14 +88,15 @@ def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], limits: Seque
     return result
 
 
-def plan_initial(sizes: Sequence[int], keys: Sequence[Hashable], limits: Sequence[int]) -> list[list[int]]:
+def plan_initial(sizes: Sequence[int], keys: Sequence[Hashable], limits: Sequence[int],
+                 sparse: Sequence[bool] = ()) -> list[list[int]]:
     """The construction-time plan: registration order, buckets reversed (last layers first)."""
-    return list(reversed(assign_buckets(sizes, keys, limits)))
+    return list(reversed(assign_buckets(sizes, keys, limits, sparse=sparse)))
 
 
 def plan_rebuilt(sizes: Sequence[int], keys: Sequence[Hashable], limits: Sequence[int],
-                 ready_order: Sequence[int]) -> list[list[int]]:
+                 ready_order: Sequence[int], sparse: Sequence[bool] = ()) -> list[list[int]]:
     """The plan after the first iteration: the order in which gradients became ready."""
     if sorted(ready_order) != list(range(len(sizes))):
         raise ValueError(f"ready_order={list(ready_order)} must be a permutation of 0..{len(sizes) - 1}")
-    return assign_buckets(sizes, keys, limits, order=ready_order)
+    return assign_buckets(sizes, keys, limits, order=ready_order, sparse=sparse)

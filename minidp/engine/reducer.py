@@ -34,13 +34,18 @@ SMALL_GRAD_NUMEL = 65536  # gradients below this are copied into the bucket in o
 
 @dataclass
 class Bucket:
-    """A flat buffer holding some parameters' gradients back to back, and its per-iteration state."""
+    """A flat buffer holding some parameters' gradients back to back, and its per-iteration state.
+
+    A parameter with a sparse gradient has a bucket of its own, whose `buffer` is that gradient itself
+    (set each iteration; sparse tensors cannot be packed into a flat buffer), with no views.
+    """
 
     index: int
     param_indices: list[int]      # into Reducer.params, in buffer order
     offsets: list[int]            # element offset of each gradient in `buffer`
     buffer: torch.Tensor
     views: list[torch.Tensor]     # buffer slices shaped like the parameters
+    sparse: bool = False
     pending: int = 0              # gradients still to arrive this iteration
     deferred: list = field(default_factory=list, repr=False)  # (slot, grad, param) to copy at launch
     future: torch.futures.Future | None = field(default=None, repr=False)
@@ -57,11 +62,17 @@ class Reducer:
         find_unused_parameters: reduce parameters that got no gradient as zeros.
         gradient_as_bucket_view: make each `.grad` a view into its bucket (no copy back).
         static_graph: as DDP's; here it only selects the same bucket policy as the default.
+        debug: run debug mode's consistency check before each backward's first bucket.
+        expect_sparse_gradient: by parameter, whether its gradient is sparse (see
+            `Reducer.sparse_gradient_flags`). Default: none is.
     """
 
     def __init__(self, params, names, process_group, bucket_cap_mb=None, find_unused_parameters=False,
-                 gradient_as_bucket_view=False, static_graph=False, debug=False):
+                 gradient_as_bucket_view=False, static_graph=False, debug=False, expect_sparse_gradient=()):
         self.params, self.names, self.group = list(params), list(names), process_group
+        self.device = self.params[0].device
+        self.sparse = list(expect_sparse_gradient) or [False] * len(self.params)
+        _check_sparse_backend(self.params, self.names, self.sparse, process_group)
         self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self.iteration, self.debug = 0, debug  # iteration: synced backwards prepared so far
         self.divisor, self.divisor_work = self.world_size, None  # join() may shrink the divisor
@@ -79,9 +90,19 @@ class Reducer:
         sizes = [p.numel() * p.element_size() for p in self.params]
         keys = [(p.dtype, p.device) for p in self.params]
         limits = planning.bucket_limits(bucket_cap_mb, True, find_unused_parameters, static_graph)
-        self._build(planning.plan_initial(sizes, keys, limits))
+        self._build(planning.plan_initial(sizes, keys, limits, self.sparse))
         self.handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                         for i, p in enumerate(self.params)]
+
+    @staticmethod
+    def sparse_gradient_flags(module: torch.nn.Module, params: list) -> list[bool]:
+        """By parameter, whether its gradient will be sparse; DDP's rule: its module is an nn.Embedding or
+        nn.EmbeddingBag with sparse=True (for a shared parameter, the first module that has it)."""
+        sparse_owner: dict = {}
+        for sub in module.modules():
+            for p in sub.parameters(recurse=False):
+                sparse_owner.setdefault(p, isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse)
+        return [sparse_owner.get(p, False) for p in params]
 
     # ---- bucket layout -------------------------------------------------------------------------
 
@@ -90,6 +111,11 @@ class Reducer:
         self.buckets, self.bucket_of, self.slot_of = [], [None] * len(self.params), [0] * len(self.params)
         for b, indices in enumerate(plan):
             first = self.params[indices[0]]
+            if self.sparse[indices[0]]:
+                bucket = Bucket(b, list(indices), [0], _no_sparse_gradient(first), [], sparse=True)
+                self.bucket_of[indices[0]], self.slot_of[indices[0]] = bucket, 0
+                self.buckets.append(bucket)
+                continue
             offsets, total = [], 0
             for i in indices:
                 offsets.append(total)
@@ -118,13 +144,13 @@ class Reducer:
         if len(self.ready_order) != len(self.params):
             raise RuntimeError(f"minidp: cannot rebuild buckets: {len(self.ready_order)} of "
                                f"{len(self.params)} gradients were recorded in the first iteration")
-        order = torch.tensor(self.ready_order, dtype=torch.int64, device=self.buckets[0].buffer.device)
+        order = torch.tensor(self.ready_order, dtype=torch.int64, device=self.device)
         # Ranks meet here: all ranks adopt rank 0's order, so their layouts agree.
         dist.broadcast(order, src=global_rank(self.group, 0), group=self.group)
         sizes = [p.numel() * p.element_size() for p in self.params]
         keys = [(p.dtype, p.device) for p in self.params]
         limits = planning.bucket_limits(self.bucket_cap_mb, False, self.find_unused, self.static_graph)
-        self._build(planning.plan_rebuilt(sizes, keys, limits, order.tolist()))
+        self._build(planning.plan_rebuilt(sizes, keys, limits, order.tolist(), self.sparse))
         self.rebuilt, self.ready_order = True, []
         return True
 
@@ -146,7 +172,7 @@ class Reducer:
             return
         self.expect_hooks = False
         for bucket in self.buckets[self.next_bucket:]:
-            bucket.buffer.zero_()
+            self._fill_with_zeros(bucket)
             bucket.pending, bucket.deferred = 0, []
         self._launch_ready_buckets()  # ranks meet here: the buckets this rank had not launched
         self._end_iteration(failed=True)
@@ -198,11 +224,18 @@ class Reducer:
             self._launch_ready_buckets()
 
     def _copy_into_bucket(self, index: int, param: torch.Tensor) -> None:
-        bucket, slot = self.bucket_of[index], self.slot_of[index]
-        grad, view = param.grad, bucket.views[slot]
-        if grad.is_sparse:
-            raise RuntimeError(f"minidp: parameter {self.names[index]!r} has a sparse gradient; "
-                               "only dense gradients are supported")
+        bucket, slot, grad = self.bucket_of[index], self.slot_of[index], param.grad
+        if grad.is_sparse != bucket.sparse:
+            raise RuntimeError(
+                f"minidp: parameter {self.names[index]!r} has a {'sparse' if grad.is_sparse else 'dense'} "
+                f"gradient, but a {'sparse' if bucket.sparse else 'dense'} one was expected (only "
+                "nn.Embedding / nn.EmbeddingBag with sparse=True produce sparse gradients)")
+        if bucket.sparse:
+            if not self.custom_hook:
+                grad.div_(self.divisor)  # DDP's numerics for sparse gradients: divide in place
+            bucket.buffer = grad  # reduced in place, or copied back from the hook's result
+            return
+        view = bucket.views[slot]
         aliased = grad.data_ptr() == view.data_ptr()
         if not aliased and not self.custom_hook and grad.numel() < SMALL_GRAD_NUMEL:
             # Many small gradients: copying each one costs a Python-issued op; copy them in one
@@ -243,7 +276,7 @@ class Reducer:
             self._copy_deferred(bucket)
             if self.debug and bucket.index == 0:
                 debug_mode.check(debug_mode.BACKWARD, self.iteration, self.plan(), self.group,
-                                  bucket.buffer.device, 0, self.describe_bucket)
+                                  self.device, 0, self.describe_bucket)
             if self.timeline is not None:
                 self.timeline.record("launch", bucket=bucket.index)
             bucket.future = self.comm_hook(self.comm_state, grad_bucket)  # ranks meet here (async)
@@ -261,8 +294,12 @@ class Reducer:
             # A failed backward like any other: the next forward closes the iteration (prepare_for_forward).
             raise RuntimeError(self._unused_message(missing))
         for i in missing:  # find_unused_parameters: this rank contributes zeros for them
-            self.bucket_of[i].views[self.slot_of[i]].zero_()
-            self.bucket_of[i].pending -= 1
+            bucket = self.bucket_of[i]
+            if bucket.sparse:
+                bucket.buffer = _no_sparse_gradient(self.params[i])
+            else:
+                bucket.views[self.slot_of[i]].zero_()
+            bucket.pending -= 1
         self._launch_ready_buckets()
         results, failed_ranks, used = self._end_iteration(failed=False)
         if failed_ranks:
@@ -290,7 +327,7 @@ class Reducer:
         """
         results = [self._wait(bucket) for bucket in self.buckets]
         status = torch.zeros(self.world_size + len(self.params) * self.find_unused, dtype=torch.int32,
-                             device=self.buckets[0].buffer.device)
+                             device=self.device)
         status[self.rank] = int(failed)
         if self.find_unused:
             status[self.world_size:] = torch.tensor(self.ready, dtype=torch.int32)
@@ -337,7 +374,7 @@ class Reducer:
         """For a rank that has joined (no more data): match one backward's collectives with zeros."""
         futures = []
         for bucket in self.buckets:  # the same order as the ranks still training launch them
-            zeros = torch.zeros_like(bucket.buffer)
+            zeros = _no_sparse_gradient(bucket.buffer) if bucket.sparse else torch.zeros_like(bucket.buffer)
             params = [self.params[i] for i in bucket.param_indices]
             grad_bucket = GradBucket(bucket.index, zeros, params, bucket.offsets,
                                      is_last=bucket.index == len(self.buckets) - 1)
@@ -346,14 +383,30 @@ class Reducer:
             future.wait()
         # Match the status all-reduce: this rank's backward did not fail, and it used no parameter.
         status = torch.zeros(self.world_size + len(self.params) * self.find_unused, dtype=torch.int32,
-                             device=self.buckets[0].buffer.device)
+                             device=self.device)
         self._all_reduce_status(status)
         if not self.rebuilt and any(status[:self.world_size].tolist()):
             self.ready_order = []  # the iteration failed on a training rank: as in _end_iteration
         elif not self.rebuilt and not self.ready_order:
             self.ready_order = list(range(len(self.params)))  # as DDP: a joined rank votes for the default
 
+    def _fill_with_zeros(self, bucket: Bucket) -> None:
+        if bucket.sparse:
+            bucket.buffer = _no_sparse_gradient(bucket.buffer)
+        else:
+            bucket.buffer.zero_()
+
     def _write_back(self, bucket: Bucket, result: torch.Tensor, skip: set) -> None:
+        if bucket.sparse:  # as DDP: the reduced values go into the gradient tensor itself
+            i = bucket.param_indices[0]
+            grad = self.params[i].grad
+            if i in skip:
+                return
+            if grad is None:  # unused here, used elsewhere (find_unused_parameters)
+                self.params[i].grad = result.clone()
+            elif result is not grad:
+                grad.copy_(result)
+            return
         copy_to, copy_from = [], []  # batched into one op below
         for slot, i in enumerate(bucket.param_indices):
             if i in skip:
@@ -379,3 +432,26 @@ class Reducer:
         return (f"minidp.DDP: {len(names)} parameter(s) got no gradient in the last backward: {names}. "
                 "Every parameter must take part in the loss each iteration; otherwise pass "
                 "find_unused_parameters=True (unused parameters are then reduced as zeros).")
+
+
+def _no_sparse_gradient(like: torch.Tensor) -> torch.Tensor:
+    """An all-zero sparse gradient (nnz=0) shaped like an embedding's: one sparse dimension, as the
+    real ones have (gloo's sparse all-reduce requires the same sparse/dense dimensions on all ranks)."""
+    return torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64, device=like.device),
+                                   torch.empty(0, *like.shape[1:], dtype=like.dtype, device=like.device),
+                                   like.shape)
+
+
+def _check_sparse_backend(params, names, sparse, group) -> None:
+    """Sparse all-reduce exists only in gloo (torch's NCCL raises "allreduce_sparse is only available
+    in the NCCL experimental branch" during backward): refuse at construction instead."""
+    backend = dist.get_backend(group)
+    # A group may name a backend per device type, e.g. "cpu:gloo,cuda:nccl".
+    per_device = dict(part.split(":") for part in backend.split(",")) if ":" in backend else {}
+    for p, name, is_sparse in zip(params, names, sparse):
+        used = per_device.get(p.device.type, backend)
+        if is_sparse and used != "gloo":
+            raise ValueError(
+                f"parameter {name!r} gets sparse gradients (nn.Embedding/EmbeddingBag with sparse=True) on "
+                f"{p.device.type}, where the process group's backend is {used!r}: only gloo can all-reduce "
+                "sparse tensors. Use sparse=False, or a gloo process group.")
