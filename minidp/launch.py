@@ -104,9 +104,8 @@ def read_error(path: str):
 def _spawned_worker(local_rank, fn, args, env, error_path, forked=False):
     # Runs in the child: its own process group (so the parent can kill its whole tree), die with
     # the parent, torchrun's variables, then the user's function.
-    if forked:  # the parent's atexit handlers (IPython's history, temp files) are not ours to run
-        import atexit
-        atexit._clear()
+    if forked:
+        _after_fork()
     os.setpgid(0, 0)
     die_with_parent()
     os.environ.update(env)
@@ -116,6 +115,22 @@ def _spawned_worker(local_rank, fn, args, env, error_path, forked=False):
         write_error(error_path, traceback.format_exc())
         exit_now(1)
     exit_now(0)
+
+
+def _after_fork() -> None:
+    """Make a forked worker safe: drop the parent's exit handlers, one torch thread.
+
+    Why: the parent's atexit handlers (IPython's history database, its temp files) are not the
+    worker's to run. And GNU OpenMP's thread pool does not survive a fork: once the parent has run a
+    parallel torch op, the child's next one waits forever for threads that do not exist in it, unless
+    the child uses one thread (as torch's DataLoader workers do; torchrun's default too).
+    """
+    import atexit
+
+    atexit._clear()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def exit_now(code: int) -> None:
@@ -317,8 +332,8 @@ def launch(
             for local_rank in range(nprocs):
                 env = worker_env(local_rank, nprocs, nnodes, node_rank, master_addr, master_port)
                 error_path = os.path.join(error_dir, f"rank{env['RANK']}.err")
-                proc = context.Process(target=_spawned_worker, args=(local_rank, fn, args, env, error_path, method == "fork"),
-                                       name=f"minidp-rank{env['RANK']}")
+                proc = context.Process(target=_spawned_worker, name=f"minidp-rank{env['RANK']}",
+                                       args=(local_rank, fn, args, env, error_path, method == "fork"))
                 proc.start()
                 workers.append(Worker(int(env["RANK"]), proc, error_path))
         except BaseException:

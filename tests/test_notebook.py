@@ -1,0 +1,82 @@
+"""minidp.launch where __main__ is not a file: `python -`, `python -c`, a real Jupyter kernel.
+
+The walkthrough notebook (examples/walkthrough.ipynb) is run cell by cell in a real ipykernel: it
+launches workers from a cell, which is the case that spawn-based launchers cannot handle.
+"""
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import minidp
+from minidp.launch import start_method
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOK = os.path.join(ROOT, "examples", "walkthrough.ipynb")
+
+# Run as `python -` and as `python -c`: the parent uses torch's thread pool first (a forked child
+# must not hang on it), registers an atexit handler (the children must not run it), and launches
+# twice: a good run, then one where rank 1 fails.
+SCRIPT = """
+import atexit, os, sys, torch, minidp
+log = sys.argv[1]
+atexit.register(lambda: open(log, "a").write(f"atexit {os.getpid()}\\n"))
+torch.set_num_threads(2)
+torch.tanh(torch.randn(4_000_000)) @ torch.ones(4_000_000)
+
+def train(local_rank, log):
+    env = minidp.init(timeout=30)
+    t = torch.tanh(torch.full((1_000_000,), float(env.rank + 1))).sum().reshape(1)
+    torch.distributed.all_reduce(t)
+    open(log, "a").write(f"rank {env.rank} sum {t.item():.0f} threads {torch.get_num_threads()}\\n")
+    minidp.shutdown()
+
+def fail(local_rank):
+    if local_rank == 1:
+        raise ValueError("rank one says no")
+
+minidp.launch(train, nprocs=2, args=(log,), timeout=60)
+try:
+    minidp.launch(fail, nprocs=2, timeout=60)
+except minidp.WorkerFailed as e:
+    open(log, "a").write(f"failed rank {e.rank} {'rank one says no' in str(e)}\\n")
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "dash_c"])
+def test_launch_when_main_is_not_a_file(tmp_path, how):
+    log = str(tmp_path / "log.txt")
+    cmd = [sys.executable, "-", log] if how == "stdin" else [sys.executable, "-c", SCRIPT, log]
+    proc = subprocess.run(cmd, input=SCRIPT if how == "stdin" else None, capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    lines = open(log).read().splitlines()
+    ranks = sorted(line.rsplit(" threads", 1)[0] for line in lines if line.startswith("rank"))
+    assert len(ranks) == 2 and ranks[0].startswith("rank 0 sum ") and ranks[1].startswith("rank 1 sum ")
+    assert ranks[0].split()[-1] == ranks[1].split()[-1]  # the all-reduce happened
+    assert all(line.endswith("threads 1") for line in lines if line.startswith("rank"))
+    assert "failed rank 1 True" in lines
+    atexits = [line for line in lines if line.startswith("atexit")]
+    assert len(atexits) == 1, f"the children ran the parent's atexit handlers: {lines}"
+
+
+def test_start_method_choice_and_refusal_with_cuda_initialised(monkeypatch):
+    def fn(local_rank):
+        return None
+
+    assert start_method(fn) == "spawn"  # pytest's __main__ is a real file
+    notebook_main = types.ModuleType("__main__")  # as in Jupyter: no __file__, no __spec__
+    monkeypatch.setitem(sys.modules, "__main__", notebook_main)
+    assert start_method(fn) == "fork"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert start_method(json.dumps) == "spawn"  # importable from its module
+    fn.__module__ = "__main__"
+    with pytest.raises(RuntimeError, match="CUDA is already initialised.*restart the kernel"):
+        minidp.launch(fn, nprocs=2)
+    notebook_main.__file__ = "<stdin>"  # python -: spawn cannot work, whatever fn is
+    with pytest.raises(RuntimeError, match=r"__main__ is not a file \(<stdin>\)"):
+        minidp.launch(json.dumps, nprocs=2)
