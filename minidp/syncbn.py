@@ -93,7 +93,7 @@ class _FusedSyncBatchNormFn(torch.autograd.Function):
         gathered = _all_gather(torch.cat([mean, invstd, count]), group)  # (world, 2C + 1)
         # The kernel merges ranks in order, dividing by the count so far: an empty batch first would
         # give 0/0. Stable-sort the empty ones last, on the device (rank order otherwise kept).
-        gathered = gathered[torch.argsort((gathered[:, -1] == 0).to(torch.int32), stable=True)]
+        gathered = gathered.index_select(0, torch.argsort((gathered[:, -1] == 0).to(torch.int32), stable=True))
         mean_all, invstd_all, count_all = gathered.split(channels, dim=1)
         counts = count_all.reshape(-1)
         if running_mean is not None and counts.dtype != running_mean.dtype:

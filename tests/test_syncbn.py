@@ -2,7 +2,7 @@
 
 torch.nn.SyncBatchNorm cannot be the reference on this machine: it accepts only GPU input and its
 kernels (batch_norm_stats, ...) have no CPU implementation. Everything runs in float64, so the
-comparisons are tight (TOL); the one GPU-only test compares with torch.nn.SyncBatchNorm itself.
+comparisons are tight (TOL); tests/test_gpu.py compares with torch.nn.SyncBatchNorm itself.
 """
 import copy
 
@@ -207,31 +207,6 @@ def test_matches_batchnorm_on_concatenated_batch(world_size):
             expected = [[] if case == "outside group" else per_step] * 2
             assert result["calls"] == expected, f"rank {rank}, {case}: all_reduce sizes {result['calls']}"
         assert all("eval output" in r["diffs"] for r in results.values()) == (rank == 0)
-
-
-def _gpu_worker():
-    minidp.init(backend="gloo", timeout=60)  # one GPU for both ranks: NCCL needs one GPU per rank
-    rank, device = dist.get_rank(), torch.device("cuda", 0)
-    sizes, gen = [2, 5], torch.Generator().manual_seed(0)
-    theirs = nn.SyncBatchNorm(C, momentum=None, dtype=F64).to(device)
-    ours = convert_sync_batchnorm(copy.deepcopy(theirs))
-    lo, hi = sum(sizes[:rank]), sum(sizes[:rank + 1])
-    diffs = {}
-    for _ in range(2):
-        x = torch.randn(sum(sizes), C, 4, 3, generator=gen, dtype=F64)
-        g = torch.randn(x.shape, generator=gen, dtype=F64)
-        x, g = x[lo:hi].to(device), g[lo:hi].to(device)
-        for name, m in (("ours", ours), ("theirs", theirs)):
-            xi = x.clone().requires_grad_()
-            y = m(xi)
-            (y * g).sum().backward()
-            diffs[name] = (y, xi.grad, m.weight.grad, m.bias.grad, m.running_mean, m.running_var)
-    return max(_max_diff(a, b) for a, b in zip(diffs["ours"], diffs["theirs"]))
-
-
-@pytest.mark.gpu
-def test_matches_torch_syncbatchnorm_on_gpu():
-    assert max(run_ranks(_gpu_worker, 2, init=False)) <= TOL
 
 
 def test_without_process_group_is_plain_batchnorm():

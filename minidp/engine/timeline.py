@@ -8,6 +8,14 @@ Kinds the reducer records: "grad_ready" (param, bucket), "launch" (bucket), "don
 the thread that completes the communication), "backward_end", "finalize_end". A training loop may
 add its own with `record()`: "forward_start", "backward_start" and "step_end" are drawn too.
 
+On CUDA, "done" is when the host saw the future complete, and an NCCL future completes when the
+all-reduce is *enqueued*: its launch -> done span says nothing about the GPU. So watch(device=...)
+also records CUDA events: one on the current stream at launch (the bucket's inputs are ready
+there), one on the stream the future's callback runs on (it waits for the collective's result).
+snapshot() turns them into "gpu_start"/"gpu_end" events on the host clock, with one device sync,
+anchored at an event the host waited for. The GPU span includes waiting behind earlier buckets on
+the communication stream.
+
 Example:
     timeline = model.enable_timeline()
     timeline.record("forward_start")
@@ -25,11 +33,14 @@ import json
 import threading
 import time
 
+import torch
+
 # Spans of the "step" lane: (name, start kind, end kind); drawn when both events exist.
 STEP_SPANS = (("forward", "forward_start", "backward_start"), ("backward", "backward_start", "backward_end"),
               ("finalize (wait + write back)", "backward_end", "finalize_end"),
               ("optimizer", "finalize_end", "step_end"))
-STEP_TID, GRADS_TID, BUCKET_TID0 = 0, 1, 10
+STEP_TID, GRADS_TID, BUCKET_TID0, GPU_TID0 = 0, 1, 10, 10_000
+HOST_LANE, GPU_LANE = "host: launch -> future done", "GPU time of the collective"
 
 
 class Timeline:
@@ -38,20 +49,64 @@ class Timeline:
     def __init__(self, events=None):
         self.events: list[tuple[str, int, dict]] = list(events or [])
         self._lock = threading.Lock()
+        self._gpu_pending: list[list] = []  # [device, fields, start event, end event or None]
 
     def record(self, kind: str, **fields) -> None:
         stamp = time.perf_counter_ns()
         with self._lock:
             self.events.append((kind, stamp, fields))
 
-    def watch(self, future, **fields) -> None:
-        """Record a "done" event when `future` completes (called on the thread that completes it)."""
-        future.add_done_callback(lambda _: self.record("done", **fields))
+    def watch(self, future, device=None, **fields) -> None:
+        """Record a "done" event when `future` completes (called on the thread that completes it).
+
+        Args:
+            future: the communication's future, e.g. a bucket's.
+            device: the device of the tensors it communicates. On CUDA the GPU time of the work is
+                recorded too (see the module's docstring). Default None: the host event only.
+            fields: stored with the events, e.g. bucket=3.
+        """
+        if device is None or torch.device(device).type != "cuda":
+            future.add_done_callback(lambda _: self.record("done", **fields))
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(torch.cuda.current_stream(device))  # after whatever produced the inputs
+        pending = [device, fields, start, None]
+        with self._lock:
+            self._gpu_pending.append(pending)
+
+        def done(_):
+            end = torch.cuda.Event(enable_timing=True)
+            # Inside a CUDA future's callback the current stream waits for the future's work.
+            end.record(torch.cuda.current_stream(device))
+            pending[3] = end
+            self.record("done", **fields)
+
+        future.add_done_callback(done)
 
     def snapshot(self) -> list[tuple[str, int, dict]]:
-        """A copy of the events sorted by time (comm threads may append slightly out of order)."""
+        """A copy of the events sorted by time (comm threads may append slightly out of order).
+
+        Converts the CUDA events recorded so far (waiting for the device once, if there are any).
+        """
+        self._convert_gpu_events()
         with self._lock:
             return sorted(self.events, key=lambda e: e[1])
+
+    def _convert_gpu_events(self) -> None:
+        with self._lock:
+            ready = [p for p in self._gpu_pending if p[3] is not None]
+            self._gpu_pending = [p for p in self._gpu_pending if p[3] is None]
+        anchors, converted = {}, []
+        for device, fields, start, end in ready:
+            key = torch.device(device)
+            if key not in anchors:
+                anchors[key] = _host_anchor(key)
+            anchor, anchor_ns = anchors[key]
+            for kind, event in (("gpu_start", start), ("gpu_end", end)):
+                # elapsed_time: milliseconds from `event` to the anchor, on the GPU's clock.
+                converted.append((kind, anchor_ns - round(event.elapsed_time(anchor) * 1e6), fields))
+        with self._lock:
+            self.events.extend(converted)
 
     def bucket_spans(self) -> list[dict]:
         """Per launch of a bucket: its gradients' first/last ready time, launch and done (ns)."""
@@ -62,25 +117,41 @@ class Timeline:
         write_chrome_trace(path, {pid: self.snapshot()})
 
 
-def bucket_spans(events) -> list[dict]:
-    """Pair each bucket's k-th "launch" with its k-th "done" and the gradients that came before.
+def _host_anchor(device: torch.device):
+    """A CUDA event on `device` and the host time (perf_counter_ns) at which the GPU passed it.
 
-    Returns dicts (bucket, params, first_ready, last_ready, launch, done), in launch order; times in
-    ns, None where an event is missing (e.g. a bucket still in flight).
+    The device is idle first, so the event is passed as soon as it is recorded: the host time is
+    the middle of record .. synchronize returned, off by at most half of that round trip (~10 us).
     """
-    spans, pending, dones = [], {}, {}
+    torch.cuda.synchronize(device)  # every event recorded so far is complete after this
+    anchor = torch.cuda.Event(enable_timing=True)
+    before = time.perf_counter_ns()
+    anchor.record(torch.cuda.current_stream(device))
+    anchor.synchronize()
+    return anchor, (before + time.perf_counter_ns()) // 2
+
+
+def bucket_spans(events) -> list[dict]:
+    """Pair each bucket's k-th "launch" with its k-th "done" (and GPU span) and the gradients before it.
+
+    Returns dicts (bucket, params, first_ready, last_ready, launch, done, gpu_start, gpu_end), in
+    launch order; times in ns, None where an event is missing (a bucket still in flight; no GPU).
+    """
+    spans, pending, later = [], {}, {"done": {}, "gpu_start": {}, "gpu_end": {}}
     for kind, stamp, fields in sorted(events, key=lambda e: e[1]):
         if kind == "grad_ready":
             pending.setdefault(fields["bucket"], []).append(stamp)
         elif kind == "launch":
             ready = pending.pop(fields["bucket"], [])
             spans.append({"bucket": fields["bucket"], "params": len(ready), "first_ready": min(ready, default=None),
-                          "last_ready": max(ready, default=None), "launch": stamp, "done": None})
-        elif kind == "done":
-            dones.setdefault(fields["bucket"], []).append(stamp)
-    for span in spans:  # k-th launch of a bucket <-> its k-th completion
-        queue = dones.get(span["bucket"], [])
-        span["done"] = queue.pop(0) if queue else None
+                          "last_ready": max(ready, default=None), "launch": stamp, "done": None,
+                          "gpu_start": None, "gpu_end": None})
+        elif kind in later:
+            later[kind].setdefault(fields["bucket"], []).append(stamp)
+    for span in spans:  # k-th launch of a bucket <-> its k-th completion (and k-th GPU span)
+        for kind, by_bucket in later.items():
+            queue = by_bucket.get(span["bucket"], [])
+            span[kind] = queue.pop(0) if queue else None
     return spans
 
 
@@ -108,14 +179,25 @@ def trace_events(events, pid: int = 0, t0_ns: int | None = None) -> list[dict]:
             out.append({"ph": "i", "s": "t", "name": fields.get("param", "grad"), "pid": pid, "tid": GRADS_TID,
                         "ts": us(stamp), "args": {"bucket": fields.get("bucket")}})
     for span in bucket_spans(events):
-        tid = BUCKET_TID0 + span["bucket"]
-        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-                    "args": {"name": f"bucket {span['bucket']}"}})
-        if span["done"] is not None:
-            out.append({"ph": "X", "name": f"all-reduce bucket {span['bucket']}", "pid": pid, "tid": tid,
-                        "ts": us(span["launch"]), "dur": us(span["done"]) - us(span["launch"]),
-                        "args": {"params": span["params"],
-                                 "launch_after_last_ready_us": _gap_us(span["last_ready"], span["launch"])}})
+        out += _bucket_lanes(span, pid, us)
+    return out
+
+
+def _bucket_lanes(span: dict, pid: int, us) -> list[dict]:
+    """Trace events of one bucket launch: the host's lane, and on CUDA the GPU's lane."""
+    b, tid, gpu_tid = span["bucket"], BUCKET_TID0 + span["bucket"], GPU_TID0 + span["bucket"]
+    out = [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": f"bucket {b}: {HOST_LANE}"}}]
+    if span["done"] is not None:
+        out.append({"ph": "X", "name": f"all-reduce bucket {b}", "pid": pid, "tid": tid,
+                    "ts": us(span["launch"]), "dur": us(span["done"]) - us(span["launch"]),
+                    "args": {"lane": HOST_LANE, "params": span["params"],
+                             "launch_after_last_ready_us": _gap_us(span["last_ready"], span["launch"])}})
+    if span["gpu_start"] is not None and span["gpu_end"] is not None:
+        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": gpu_tid,
+                    "args": {"name": f"bucket {b}: {GPU_LANE}"}})
+        out.append({"ph": "X", "name": f"all-reduce bucket {b} (GPU)", "pid": pid, "tid": gpu_tid,
+                    "ts": us(span["gpu_start"]), "dur": us(span["gpu_end"]) - us(span["gpu_start"]),
+                    "args": {"lane": GPU_LANE + " (inputs ready -> result ready, queueing included)"}})
     return out
 
 
