@@ -3,6 +3,9 @@
 Side by side with torch DDP in the same processes: where torch raises, minidp raises the same
 exception type (with a message that names the hook and what was wrong).
 """
+import copy
+import os
+
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -127,3 +130,94 @@ def test_comm_hook_contract_errors_as_torch_ddp():
                 assert word in got[1], (name, word, got[1])
         for name in ("torch_typed", "minidp_typed", "string_typed", "other_names"):
             assert isinstance(res[name, "minidp"], list), (name, res[name, "minidp"])
+
+
+# ---- pickling (torch.save(model)) and deepcopy, as torch DDP ------------------------------------
+
+SAVED_AT, STEPS = 3, 6
+ENGINES = {"minidp": minidp.DDP, "torch": TorchDDP}
+
+
+def _step(model, opt, step):
+    gen = torch.Generator().manual_seed(100 * step + dist.get_rank())  # each rank its own shard
+    model(torch.randn(4, 8, generator=gen)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _sgd(model, state=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if state is not None:
+        opt.load_state_dict(state)
+    return opt
+
+
+def _save_worker(folder):
+    """Save each engine's model before any step and after SAVED_AT steps; train on unsaved and deep copies."""
+    out = {}
+    for label, engine in ENGINES.items():
+        kwargs = {"bucket_cap_mb": 0.002}  # several buckets, rebuilt after the first iteration
+        for hooked in (False, True):
+            model = engine(build("mlp", seed=dist.get_rank()), **kwargs)  # different weights: rank 0's win
+            if hooked:
+                model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            name = f"{label}{'_fp16' if hooked else ''}"
+            torch.save(model, os.path.join(folder, f"{name}_fresh_{dist.get_rank()}.pt"))
+            opt = _sgd(model)
+            for step in range(SAVED_AT):
+                _step(model, opt, step)
+            torch.save({"model": model, "opt": opt.state_dict()},
+                       os.path.join(folder, f"{name}_trained_{dist.get_rank()}.pt"))
+            twin = copy.deepcopy(model)
+            twin_opt = _sgd(twin, copy.deepcopy(opt.state_dict()))
+            for step in range(SAVED_AT, STEPS):
+                _step(model, opt, step)
+                _step(twin, twin_opt, step)
+            out[name, "unsaved"], out[name, "deepcopy"] = _params(model), _params(twin)
+        subgroup = dist.new_group([0, 1])  # not the default group: neither engine pickles it
+        out[label, "subgroup"] = _outcome(torch.save, engine(build("mlp"), process_group=subgroup),
+                                          os.path.join(folder, f"never_{dist.get_rank()}.pt"))
+    return out
+
+
+def _load_worker(folder):
+    """In a fresh process group (new processes): load each saved model and train on to STEPS."""
+    out = {}
+    for name in ("minidp", "minidp_fp16", "torch", "torch_fp16"):
+        model = torch.load(os.path.join(folder, f"{name}_fresh_{dist.get_rank()}.pt"), weights_only=False)
+        opt = _sgd(model)
+        for step in range(STEPS):
+            _step(model, opt, step)
+        out[name, "loaded_fresh"] = _params(model)
+        saved = torch.load(os.path.join(folder, f"{name}_trained_{dist.get_rank()}.pt"), weights_only=False)
+        model, opt = saved["model"], _sgd(saved["model"], saved["opt"])
+        for step in range(SAVED_AT, STEPS):
+            _step(model, opt, step)
+        out[name, "loaded_trained"] = _params(model)
+    return out
+
+
+def _equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_pickled_model_trains_on_in_a_fresh_process_group_as_torch_ddp(tmp_path):
+    saved = run_ranks(_save_worker, 2, str(tmp_path), timeout=200)
+    loaded = run_ranks(_load_worker, 2, str(tmp_path), timeout=200)
+    for before, after in zip(saved, loaded):
+        for name in ("minidp", "minidp_fp16", "torch"):
+            unsaved = before[name, "unsaved"]
+            for copy_kind in ("deepcopy", "loaded_fresh", "loaded_trained"):
+                got = before.get((name, copy_kind)) or after[name, copy_kind]
+                assert _equal(got, unsaved), (name, copy_kind)
+        assert _equal(before["minidp", "unsaved"], before["torch", "unsaved"])
+        # torch DDP drops a registered comm hook from the reducer it rebuilds on load; minidp keeps it.
+        assert not _equal(after["torch_fp16", "loaded_trained"], before["torch_fp16", "unsaved"])
+        for label in ENGINES:
+            error = before[label, "subgroup"]
+            assert isinstance(error, tuple) and error[0] == "RuntimeError", (label, error)
+        assert "default process group" in before["minidp", "subgroup"][1]

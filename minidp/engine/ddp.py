@@ -69,7 +69,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.output_device = output_device
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
-        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.gradient_as_bucket_view, self.bucket_cap_mb = gradient_as_bucket_view, bucket_cap_mb
+        self._comm_hook = None  # (state, hook) once registered: kept when pickled, re-registered on load
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # whether the next forward broadcasts buffers
         self.divide_by_initial_world_size = True  # set by join()
@@ -83,9 +84,37 @@ class DistributedDataParallel(nn.Module, Joinable):
         if init_sync:
             states = [p for _, p in module.named_parameters()] + list(module.buffers())
             broadcast_coalesced(states, process_group)  # ranks meet here: rank 0's weights win
-        self.reducer = Reducer([p for _, p in named], [n for n, _ in named], process_group, bucket_cap_mb,
-                               find_unused_parameters, gradient_as_bucket_view, static_graph, self.debug,
-                               Reducer.sparse_gradient_flags(module, [p for _, p in named]))
+        self._build_reducer()
+
+    def _build_reducer(self) -> None:
+        """The reducer, on this rank's parameters: at construction, and again after unpickling."""
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self.process_group, self.bucket_cap_mb,
+                               self.find_unused_parameters, self.gradient_as_bucket_view, self.static_graph,
+                               self.debug, Reducer.sparse_gradient_flags(self.module, [p for _, p in named]))
+
+    def __getstate__(self) -> dict:
+        """Pickle (torch.save(model), copy.deepcopy) without the process group and reducer, as DDP does.
+
+        They hold live communication state (futures, hooks on this process's parameters); a loaded
+        copy rebuilds them on the default process group (`__setstate__`), with no collective.
+        """
+        if self.process_group is not None and self.process_group != dist.group.WORLD:
+            raise RuntimeError("minidp.DDP can be pickled only on the default process group (as torch DDP): "
+                               f"this one was built with process_group={self.process_group!r}")
+        state = dict(self.__dict__)
+        del state["process_group"], state["reducer"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("loading a pickled minidp.DDP needs the default process group: call "
+                               "minidp.init() first (its reducer is rebuilt on that group)")
+        super().__setstate__(state)
+        self.process_group = None
+        self._build_reducer()  # fresh, as DDP's: the first iteration uses the initial bucket layout
+        if self._comm_hook is not None:  # unlike torch DDP, which drops it from the rebuilt reducer
+            self._install_comm_hook(*self._comm_hook)
 
     def _verify_across_ranks(self, named, bucket_cap_mb) -> None:
         """Every rank must wrap the same parameters (and settings); say where they differ."""
@@ -178,9 +207,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             hook: `hook(state, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]`.
         """
         check_comm_hook(hook)  # TypeError / ValueError, as torch DDP's _check_comm_hook
-        if self.reducer.custom_hook:
+        if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook can only be called once: a communication hook is "
-                               f"registered already ({hook_name(self.reducer.comm_hook.args[0])})")
+                               f"registered already ({hook_name(self._comm_hook[1])})")
+        self._comm_hook = (state, hook)
+        self._install_comm_hook(state, hook)
+
+    def _install_comm_hook(self, state, hook: Callable) -> None:
         # Every call goes through call_comm_hook, which checks that the hook returned a Future.
         self.reducer.comm_hook, self.reducer.comm_state = functools.partial(call_comm_hook, hook), state
         self.reducer.custom_hook = True
