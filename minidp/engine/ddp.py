@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
+from torch.nn.utils.rnn import PackedSequence
 
 from . import debug as debug_mode
 from .collectives import broadcast_coalesced, check_same_across_ranks
@@ -28,7 +29,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     Args:
         module: the model, already on this rank's device.
-        device_ids: None, or a single device for a single-device GPU module (inputs are moved there).
+        device_ids: None, or [the module's device] (an index or a torch.device) for a GPU module:
+            forward moves the inputs there, as DDP does (see move_inputs). Default None.
         output_device: accepted for compatibility; outputs stay where the module puts them.
         dim: accepted for compatibility (minidp never scatters inputs).
         broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) before each
@@ -62,7 +64,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                      gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group={process_group!r} must be a torch.distributed.ProcessGroup or None")
-        self.device_ids = _check_device_ids(module, device_ids)
+        self.input_device = _check_devices(module, device_ids)  # where forward moves inputs (None: nowhere)
+        self.device_ids = None if self.input_device is None else [self.input_device.index]  # as DDP's
         if not dist.is_initialized():
             raise RuntimeError("minidp.DDP needs a process group: call minidp.init() first")
         self.module, self.process_group, self.dim = module, process_group, dim
@@ -141,7 +144,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._join_config.enable:
             vote_to_sync(self, joined=False)  # ranks meet here: matches the joined ranks' vote
         if self.device_ids:
-            inputs, kwargs = _move_to(inputs, self.device_ids[0]), _move_to(kwargs, self.device_ids[0])
+            inputs, kwargs = move_inputs(inputs, self.input_device), move_inputs(kwargs, self.input_device)
         output = self.module(*inputs, **kwargs)
         # As in DDP, whether the *next* forward broadcasts buffers depends on this one syncing.
         self.require_forward_param_sync = syncing
@@ -251,25 +254,60 @@ def _check_flags(**flags) -> None:
             raise TypeError(f"{name}={value!r} must be True or False")
 
 
-def _check_device_ids(module, device_ids):
-    if device_ids is None:
-        return None
-    if len(device_ids) != 1:
-        raise ValueError(f"device_ids={device_ids!r} must be None or hold one device (one device per process)")
+def _check_devices(module, device_ids) -> torch.device | None:
+    """The device inputs are moved to (None: not moved), refusing what DDP refuses, and multi-device modules.
+
+    A module on several devices is refused even without device_ids: the autograd engine runs each
+    device's part of backward on its own thread, and the reducer's state is not made for that.
+    """
     devices = {p.device for p in module.parameters()}
-    if any(d.type == "cpu" for d in devices):
+    if len({d.type for d in devices}) > 1:
+        raise ValueError(f"minidp.DDP's module must be on one type of device, but its parameters are on {devices}")
+    if len(devices) > 1:
+        raise ValueError(f"minidp.DDP needs a single-device module (one device per process), but its parameters "
+                         f"are on {sorted(map(str, devices))}: its gradient hooks would run on several threads")
+    if device_ids is None or (isinstance(device_ids, (list, tuple)) and len(device_ids) == 0):
+        return None  # DDP treats [] as None too
+    if not isinstance(device_ids, (list, tuple)):
+        raise TypeError(f"device_ids={device_ids!r} must be None or a list holding one device")
+    if len(device_ids) != 1:
+        raise ValueError(f"device_ids={device_ids!r} must be None or a list holding one device (one per process)")
+    device = next(iter(devices))
+    if device.type == "cpu":
         raise ValueError(f"device_ids={device_ids!r} given for a module on the CPU: pass device_ids=None")
-    return [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in device_ids]
+    target = torch.device(device.type, device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
+    if target.index is None:  # "cuda": the current device, as DDP reads it
+        target = torch.device(target.type, torch.accelerator.current_device_index())
+    if target != device:
+        raise ValueError(f"device_ids={device_ids!r}: the module is on {device}, not on {target}; "
+                         f"move it there first (module.to({str(target)!r}))")
+    return target
 
 
-def _move_to(obj, device):
-    """Move every tensor in nested tuples/lists/dicts to `device` (DDP does this for device_ids)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple):
-        return tuple(_move_to(o, device) for o in obj)
-    if isinstance(obj, list):
-        return [_move_to(o, device) for o in obj]
+def move_inputs(obj, device: torch.device):
+    """Move the tensors in a forward's inputs to `device`, as torch DDP does with device_ids (`_recursive_to`).
+
+    As in DDP: the copy is a plain, blocking `.to(device)` (never non_blocking); tensors and
+    PackedSequences already there, and containers holding only such things, are returned as they
+    are; namedtuples (PackedSequence too) and dict subclasses keep their type; anything else,
+    dataclasses included, is passed unchanged. (DDP copies from another GPU on a side stream;
+    here such a copy runs on the current stream, so it needs no extra synchronisation.)
+
+    Args:
+        obj: the positional inputs (a tuple) or keyword inputs (a dict), nested as the module likes.
+        device: the module's device (device_ids[0]).
+    """
+    if isinstance(obj, (torch.Tensor, PackedSequence)):
+        here = obj.data.device if isinstance(obj, PackedSequence) else obj.device
+        return obj if here == device else obj.to(device)
+    if not isinstance(obj, (tuple, list, dict)):
+        return obj
+    items = list(obj.values()) if isinstance(obj, dict) else list(obj)
+    moved = [move_inputs(item, device) for item in items]
+    if all(m is i for m, i in zip(moved, items)):
+        return obj
     if isinstance(obj, dict):
-        return {k: _move_to(v, device) for k, v in obj.items()}
-    return obj
+        return type(obj)(zip(obj.keys(), moved))
+    if hasattr(obj, "_fields") and hasattr(obj, "_asdict"):  # a namedtuple
+        return type(obj)(*moved)
+    return tuple(moved) if isinstance(obj, tuple) else moved  # DDP rebuilds plain tuples and lists
