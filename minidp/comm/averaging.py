@@ -77,7 +77,7 @@ class PeriodicAverager:
         self.steps, self.bytes_sent, self.bytes_dense = state["steps"], state["bytes_sent"], state["bytes_dense"]
 
 
-def _local_sgd_hook(averager: PeriodicAverager, bucket) -> torch.futures.Future:
+def _local_sgd_hook(averager, bucket):  # no annotations: torch DDP accepts only its exact ones, or none
     """Average gradients during the warm-up (torch's allreduce_hook arithmetic); afterwards keep them local."""
     buffer = bucket.buffer()
     averager.bytes_dense += buffer.numel() * buffer.element_size()

@@ -86,6 +86,10 @@ class CompressionState:
             self._key_numels.append(param.numel())
         return key
 
+    def key_of(self, param) -> int | None:
+        """The key of this parameter's entries in state_dict() (None until it has reached the hook)."""
+        return self._keys.get(id(param))
+
     # ---- on the worker thread -----------------------------------------------------------------
 
     def _work(self) -> None:
@@ -156,7 +160,7 @@ class CompressionState:
                 f"transport={self.transport!r}, start_iter={self.start_iter}, steps={self.steps})")
 
 
-def hook(state: CompressionState, bucket) -> torch.futures.Future:
+def hook(state, bucket):  # no annotations: torch DDP accepts only its exact ones, or none
     """The comm hook compression_hook returns: DDP's contract, hook(state, bucket) -> Future[Tensor]."""
     return state.launch(bucket)  # ranks meet on the worker thread (async)
 

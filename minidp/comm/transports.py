@@ -83,7 +83,7 @@ class TorchDist(Transport):
         return f"TorchDist(backend={self.backend!r}, world_size={self.world_size})"
 
 
-def allreduce_hook(transport: Transport, bucket) -> torch.futures.Future:
+def allreduce_hook(transport, bucket):  # no annotations: torch DDP accepts only its exact ones, or none
     """DDP comm hook: exact average over `transport` (torch's allreduce_hook arithmetic: divide, then sum).
 
     Example:
@@ -96,6 +96,6 @@ def allreduce_hook(transport: Transport, bucket) -> torch.futures.Future:
     return fut.then(lambda _: buffer)
 
 
-def sum_hook(transport: Transport, bucket) -> torch.futures.Future:
+def sum_hook(transport, bucket):  # no annotations (as allreduce_hook)
     """The engine's default path over a transport: grads arrive pre-scaled by 1/world_size; sum in place."""
     return transport.all_reduce(bucket.buffer())  # ranks meet here (async)
