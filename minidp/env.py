@@ -17,9 +17,10 @@ from typing import Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed import constants
 
 KNOWN_BACKENDS = {"gloo", "nccl", "mpi", "ucc"}
-DEFAULT_TIMEOUT_S = 1800.0  # torch's own default for the collective timeout
+BACKEND_VARIABLE = "MINIDP_BACKEND"  # e.g. MINIDP_BACKEND=gloo: a test suite or CPU job on a GPU machine
 
 # (name in DistEnv, torchrun variable, SLURM variable)
 _SOURCES = (
@@ -131,9 +132,51 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _as_timedelta(timeout: Union[float, datetime.timedelta, None]) -> datetime.timedelta:
+def choose_backend(backend: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> str:
+    """The backend init() uses: `backend` if given, else $MINIDP_BACKEND if set, else default_backend().
+
+    Args:
+        backend: "nccl", "gloo", "mpi" or "ucc" (any case). Default None.
+        environ: where to read MINIDP_BACKEND. Default None: os.environ.
+    """
+    environ = os.environ if environ is None else environ
+    if backend is not None:
+        name, value = "backend", backend
+    elif environ.get(BACKEND_VARIABLE):
+        name, value = BACKEND_VARIABLE, environ[BACKEND_VARIABLE]
+    else:
+        return default_backend()
+    if not isinstance(value, str):
+        raise TypeError(f"{name}={value!r} must be a str, one of {sorted(KNOWN_BACKENDS)}")
+    if value.lower() not in KNOWN_BACKENDS:
+        raise ValueError(f"{name}={value!r} must be one of {sorted(KNOWN_BACKENDS)} (or unset: "
+                         f"backend=, then ${BACKEND_VARIABLE}, then NCCL with CUDA, else gloo)")
+    return value.lower()
+
+
+def default_timeout(backend: str) -> datetime.timedelta:
+    """torch's default collective timeout for `backend`: NCCL's (10 min in torch 2.x) is not gloo's (30 min)."""
+    if backend == "nccl" and isinstance(constants.default_pg_nccl_timeout, datetime.timedelta):
+        return constants.default_pg_nccl_timeout
+    return constants.default_pg_timeout
+
+
+def _check_nccl(spec: DistEnv) -> None:
+    """NCCL needs CUDA and one GPU per rank on this node; say what to do instead."""
+    if not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False; "
+                         "use backend='gloo'")
+    gpus = torch.cuda.device_count()
+    if spec.local_world_size > gpus:
+        raise ValueError(
+            f"backend='nccl' with local_world_size={spec.local_world_size} ranks on this node but {gpus} GPU(s) "
+            f"visible: NCCL needs one GPU per rank (two ranks on one GPU fail or hang). Start at most {gpus} "
+            f"process(es) per node, or pass backend='gloo' (or set {BACKEND_VARIABLE}=gloo) to let ranks share")
+
+
+def _as_timedelta(timeout: Union[float, datetime.timedelta, None], backend: str = "gloo") -> datetime.timedelta:
     if timeout is None:
-        timeout = DEFAULT_TIMEOUT_S
+        return default_timeout(backend)
     if not isinstance(timeout, datetime.timedelta):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
             raise TypeError(f"timeout={timeout!r} must be seconds (a number) or a datetime.timedelta")
@@ -159,9 +202,11 @@ def init(
     Args:
         rank, world_size, local_rank, local_world_size, node_rank, master_addr, master_port:
             override what the environment says (torchrun's, then SLURM's). Default: read them.
-        backend: "nccl" or "gloo". Default: NCCL when CUDA is available, else gloo.
+        backend: "nccl" or "gloo" (or "mpi", "ucc"). Default: the MINIDP_BACKEND environment
+            variable if set, else NCCL when CUDA is available, else gloo. NCCL is refused with
+            more ranks on this node than GPUs.
         timeout: seconds (or a timedelta) a collective may wait for the other ranks before it
-            raises. Default 1800 s, torch's default.
+            raises. Default: torch's for the backend (NCCL 10 min, gloo 30 min in torch 2.x).
 
     Example:
         env = minidp.init()          # under torchrun or `python -m minidp.run`
@@ -173,14 +218,10 @@ def init(
         rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
         node_rank=node_rank, master_addr=master_addr, master_port=master_port,
     )
-    backend = backend or default_backend()
-    if not isinstance(backend, str) or backend.lower() not in KNOWN_BACKENDS:
-        raise ValueError(f"backend={backend!r} must be one of {sorted(KNOWN_BACKENDS)} (or None: NCCL with "
-                         "CUDA, else gloo)")
-    backend = backend.lower()
-    timeout = _as_timedelta(timeout)
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError(f"backend={backend!r} needs CUDA, and torch.cuda.is_available() is False")
+    backend = choose_backend(backend)
+    timeout = _as_timedelta(timeout, backend)
+    if backend == "nccl":
+        _check_nccl(spec)
     device = torch.device("cpu")
     if torch.cuda.is_available():
         # Several processes may share one GPU (gloo), hence the modulo.

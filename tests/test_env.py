@@ -1,10 +1,14 @@
-"""minidp.resolve_env: torchrun-, SLURM- and argument-shaped identities, without a process group."""
+"""minidp.resolve_env and init's choices (backend, NCCL's GPU check, timeout), without a process group."""
 import dataclasses
 import datetime
 
 import pytest
+import torch
+from torch.distributed import constants
 
-from minidp.env import DistEnv, _as_timedelta, resolve_env
+import minidp
+from minidp import env as env_module
+from minidp.env import DistEnv, _as_timedelta, choose_backend, resolve_env
 
 TORCHRUN = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
             "GROUP_RANK": "1", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"}
@@ -68,9 +72,83 @@ def test_bad_environment_raises_naming_the_value(environ, match):
 
 
 def test_timeout_forms():
-    assert _as_timedelta(None).total_seconds() == 1800
+    assert _as_timedelta(None) == constants.default_pg_timeout  # torch's, 30 min
+    assert _as_timedelta(None, "nccl") == constants.default_pg_nccl_timeout  # torch's for NCCL, 10 min
+    assert constants.default_pg_nccl_timeout != constants.default_pg_timeout
     assert _as_timedelta(12.5) == datetime.timedelta(seconds=12.5)
     with pytest.raises(ValueError, match="timeout=.*positive"):
         _as_timedelta(0)
     with pytest.raises(TypeError, match="timeout='10'"):
         _as_timedelta("10")
+
+
+# ---- backend: backend= wins, then MINIDP_BACKEND, then NCCL with CUDA, else gloo --------------------
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_backend_order(monkeypatch, cuda):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert choose_backend(None, {}) == ("nccl" if cuda else "gloo")
+    assert choose_backend(None, {"MINIDP_BACKEND": ""}) == ("nccl" if cuda else "gloo")  # empty: unset
+    assert choose_backend(None, {"MINIDP_BACKEND": "Gloo"}) == "gloo"
+    assert choose_backend("NCCL", {"MINIDP_BACKEND": "gloo"}) == "nccl"  # the argument wins
+
+
+@pytest.mark.parametrize("backend, environ, error, match", [
+    (None, {"MINIDP_BACKEND": "glo"}, ValueError, r"MINIDP_BACKEND='glo' must be one of \['gloo', 'mpi'"),
+    ("carrier-pigeon", {}, ValueError, r"backend='carrier-pigeon' must be one of"),
+    (3, {}, TypeError, r"backend=3 must be a str"),
+])
+def test_bad_backend_names_where_it_came_from(backend, environ, error, match):
+    with pytest.raises(error, match=match):
+        choose_backend(backend, environ)
+
+
+class _Captured(Exception):
+    pass
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """A machine with N visible GPUs as far as init() can tell; init_process_group is captured, not run."""
+    calls = []
+
+    def init_process_group(backend, **kwargs):
+        calls.append((backend, kwargs["timeout"]))
+        raise _Captured
+
+    def with_gpus(n):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+        monkeypatch.setattr(env_module.dist, "init_process_group", init_process_group)
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MINIDP_BACKEND"):
+            monkeypatch.delenv(name, raising=False)
+        return calls
+
+    return with_gpus
+
+
+def test_nccl_refused_with_more_local_ranks_than_gpus(fake_gpus):
+    fake_gpus(1)
+    two_on_one = dict(rank=0, world_size=2, local_world_size=2, master_port=29500)
+    for backend in ("nccl", None):  # asked for, or the default because CUDA is there
+        with pytest.raises(ValueError, match=r"backend='nccl' with local_world_size=2 ranks on this node but "
+                                             r"1 GPU\(s\) visible.*backend='gloo' \(or set MINIDP_BACKEND=gloo\)"):
+            minidp.init(backend=backend, **two_on_one)
+
+
+def test_init_passes_the_backend_and_its_default_timeout(fake_gpus, monkeypatch):
+    calls = fake_gpus(2)
+    for backend, env_value in (("nccl", None), (None, "gloo"), (None, None)):
+        if env_value:
+            monkeypatch.setenv("MINIDP_BACKEND", env_value)
+        with pytest.raises(_Captured):
+            minidp.init(backend=backend, rank=0, world_size=1)
+        monkeypatch.delenv("MINIDP_BACKEND", raising=False)
+    with pytest.raises(_Captured):
+        minidp.init(backend="gloo", world_size=1, timeout=7)
+    assert calls == [("nccl", constants.default_pg_nccl_timeout), ("gloo", constants.default_pg_timeout),
+                     ("nccl", constants.default_pg_nccl_timeout), ("gloo", datetime.timedelta(seconds=7))]
+    fake_gpus(0)
+    with pytest.raises(ValueError, match=r"backend='nccl' needs CUDA.*use backend='gloo'"):
+        minidp.init(backend="nccl", world_size=1)
