@@ -3,6 +3,7 @@
 One launch per world size runs every case (process start-up dominates on 2 cores); the workers
 return what they saw and the tests below check it. Hooks run on both minidp.DDP and torch DDP.
 """
+import inspect
 import itertools
 import math
 import os
@@ -297,12 +298,23 @@ def _residuals_survive_checkpoint(folder, steps=3):
     return out
 
 
+def _engine_transport():
+    """minidp.DDP(model, transport=comm.TorchDist()): the default path over a transport equals plain DDP.
+
+    None until the engine takes the `transport=` keyword.
+    """
+    if "transport" not in inspect.signature(minidp.DDP.__init__).parameters:
+        return None
+    reference = _train(TorchDDP, ddp_kwargs=SMALL_BUCKETS)
+    return _same(reference, _train(minidp.DDP, ddp_kwargs={**SMALL_BUCKETS, "transport": comm.TorchDist()}))
+
+
 def _world_of_two(folder):
     return {"casts": _casts_match_torch_hooks(), "sparse": _full_sparsifiers_match_exact(),
             "sign": _sign_matches_simulation(), "powersgd_case": _powersgd_torch_test_case(),
             "powersgd_torch": _powersgd_agrees_with_torch(), "ef": _error_feedback_adds_up(),
             "train": _trains_like_exact(), "averager": _periodic_averager_matches_torch(),
-            "checkpoint": _residuals_survive_checkpoint(folder)}
+            "checkpoint": _residuals_survive_checkpoint(folder), "engine_transport": _engine_transport()}
 
 
 def _world_of_three():
@@ -397,3 +409,9 @@ def test_residuals_survive_save_and_load_checkpoint_bitwise(two):
     for result in two:
         assert all(same_state and same_params for same_state, same_params in result["checkpoint"].values()), \
             result["checkpoint"]
+
+
+def test_engine_default_path_over_a_transport_equals_ddp(two):
+    if two[0]["engine_transport"] is None:
+        pytest.skip("minidp.DDP has no transport= keyword yet")
+    assert all(result["engine_transport"] for result in two)
