@@ -1,0 +1,9 @@
+"""Tools for people studying DDP: explain a model's buckets, simulate a step at scale, draw timelines.
+
+    python -m minidp.explain resnet18 --world-size 2      # buckets, hooks, timeline; checked against DDP
+    python -m minidp.simulate --events resnet18_events.json  # one step at 2 ... 1,024 ranks
+
+explain.py  runs a few real steps of a model on CPU ranks under minidp and torch DDP (record.py)
+simulate.py predicts a step from a recorded timeline and an alpha-beta network model (network.py)
+plot.py     draws timelines and scaling curves (matplotlib, imported only when drawing)
+"""

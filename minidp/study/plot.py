@@ -1,0 +1,59 @@
+"""Drawings for studying a step: recorded timelines (one panel per rank) and scaling curves.
+
+matplotlib is imported inside the functions: recording a timeline never needs it.
+"""
+from __future__ import annotations
+
+from minidp.engine.timeline import bucket_spans, step_spans
+
+
+def plot_timelines(path: str, events_by_rank: dict, title: str = "") -> None:
+    """A PNG with one panel per rank: step phases, gradient-ready ticks, one bar per bucket's all-reduce."""
+    import matplotlib  # lazily: recording never needs it
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min((e[1] for events in events_by_rank.values() for e in events), default=0)
+    n_buckets = max((s["bucket"] + 1 for ev in events_by_rank.values() for s in bucket_spans(ev)), default=0)
+    lanes = 2 + n_buckets
+    fig, axes = plt.subplots(len(events_by_rank), 1, sharex=True, squeeze=False,
+                             figsize=(10, 0.9 + 0.42 * lanes * len(events_by_rank)))
+    for ax, (rank, events) in zip(axes[:, 0], events_by_rank.items()):
+        _draw_rank(ax, events, t0, n_buckets, _bucket_colors(plt, n_buckets))
+        ax.set_ylabel(f"rank {rank}", fontsize=9)
+    axes[-1, 0].set_xlabel("time since the first event, ms")
+    axes[0, 0].legend(loc="upper left", fontsize=7, ncol=4, framealpha=0.8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _bucket_colors(plt, n_buckets):
+    """Bucket b -> a colour from a sequential map, distinct from the pale colours of the step phases."""
+    cmap = plt.get_cmap("viridis")
+    return lambda b: cmap(0.85 * b / max(1, n_buckets - 1))
+
+
+def _draw_rank(ax, events, t0, n_buckets, color) -> None:
+    """Lanes, top to bottom: step phases, gradients ready (coloured by bucket), bucket 0, 1, ..."""
+    ms = lambda ns: (ns - t0) / 1e6  # noqa: E731 - a one-line unit conversion
+    phase_colors = {"forward": "#c7e9c0", "backward": "#fdd0a2", "optimizer": "#dadaeb"}
+    for name, start, end in step_spans(events):
+        ax.barh(0, ms(end) - ms(start), left=ms(start), height=0.6, label=name.split(" ")[0],
+                color=phase_colors.get(name, "lightgray"), edgecolor="black", linewidth=0.3)
+    ticks = [(ms(stamp), f["bucket"]) for kind, stamp, f in events if kind == "grad_ready"]
+    ax.scatter([t for t, _ in ticks], [1] * len(ticks), marker="|", s=120,
+               c=[color(b) for _, b in ticks], linewidths=0.8)
+    for span in bucket_spans(events):
+        y = 2 + span["bucket"]
+        if span["done"] is not None:
+            ax.barh(y, ms(span["done"]) - ms(span["launch"]), left=ms(span["launch"]), height=0.6,
+                    color=color(span["bucket"]), edgecolor="black", linewidth=0.3)
+        if span["last_ready"] is not None:
+            ax.plot([ms(span["last_ready"])], [y], marker=">", color="black", markersize=4)
+    ax.set_yticks(range(2 + n_buckets), ["step", "grads ready"] + [f"bucket {b}" for b in range(n_buckets)],
+                  fontsize=8)
+    ax.set_ylim(1.6 + n_buckets, -0.6)  # first lane on top
+    ax.grid(axis="x", alpha=0.3)
