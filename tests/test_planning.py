@@ -40,14 +40,14 @@ def test_rebuilt_assignment_equals_torch(seed):
 
 
 def test_limits_policy():
-    # DDP: one unbounded bucket in the first iteration unless unused parameters are searched for.
-    assert bucket_limits(None, True, find_unused_parameters=False) == [UNBOUNDED]
-    assert bucket_limits(None, True, find_unused_parameters=True) == [MIB, 25 * MIB]
-    assert bucket_limits(None, True, find_unused_parameters=True, static_graph=True) == [UNBOUNDED]
+    # DDP: one unbounded bucket in the first iteration when the buckets will be rebuilt after it
+    # (torch's needs_rebuild = static_graph or not find_unused_parameters).
+    assert bucket_limits(None, True, needs_rebuild=True) == [UNBOUNDED]
+    assert bucket_limits(None, True, needs_rebuild=False) == [MIB, 25 * MIB]
     # Rebuilt: 1 MiB first bucket only when bucket_cap_mb was left at its default.
-    assert bucket_limits(None, False, False) == [MIB, 25 * MIB]
-    assert bucket_limits(5, False, False) == [5 * MIB]
-    assert bucket_limits(0.5, False, True) == [MIB // 2]
+    assert bucket_limits(None, False, needs_rebuild=True) == [MIB, 25 * MIB]
+    assert bucket_limits(5, False, needs_rebuild=True) == [5 * MIB]
+    assert bucket_limits(0.5, False, needs_rebuild=False) == [MIB // 2]
 
 
 def test_initial_plan_is_reversed_with_registration_order_inside():

@@ -92,9 +92,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _build_reducer(self) -> None:
         """The reducer, on this rank's parameters: at construction, and again after unpickling."""
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self.process_group, self.bucket_cap_mb,
-                               self.find_unused_parameters, self.gradient_as_bucket_view, self.static_graph,
-                               self.debug, Reducer.sparse_gradient_flags(self.module, [p for _, p in named]))
+        self.reducer = Reducer(
+            [p for _, p in named], [n for n, _ in named], process_group=self.process_group,
+            bucket_cap_mb=self.bucket_cap_mb, find_unused_parameters=self.find_unused_parameters,
+            gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=self.static_graph, debug=self.debug,
+            expect_sparse_gradient=Reducer.sparse_gradient_flags(self.module, [p for _, p in named]))
 
     def __getstate__(self) -> dict:
         """Pickle (torch.save(model), copy.deepcopy) without the process group and reducer, as DDP does.
