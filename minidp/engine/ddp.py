@@ -13,18 +13,19 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable
+from torch.distributed.algorithms.join import Join
 from torch.nn.utils.rnn import PackedSequence
 
+from ..validate import check_bool
 from . import debug as debug_mode
 from .collectives import broadcast_coalesced, check_same_across_ranks
 from .hooks import call_comm_hook, check_comm_hook, hook_name
-from .join import DDPJoinHook, find_common_rank, vote_to_sync
+from .join import JoinableDDP, find_common_rank, vote_to_sync
 from .reducer import Reducer
 from .timeline import Timeline
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(nn.Module, JoinableDDP):
     """Average gradients over ranks during backward, bucket by bucket, as torch DDP does.
 
     Args:
@@ -57,11 +58,12 @@ class DistributedDataParallel(nn.Module, Joinable):
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, debug: bool | None = None, **unsupported):
         super().__init__()
-        Joinable.__init__(self)
+        JoinableDDP.__init__(self)
         _check_arguments(module, bucket_cap_mb, unsupported)
-        _check_flags(broadcast_buffers=broadcast_buffers, init_sync=init_sync,
-                     find_unused_parameters=find_unused_parameters,
-                     gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
+        for name, flag in dict(broadcast_buffers=broadcast_buffers, init_sync=init_sync, static_graph=static_graph,
+                               find_unused_parameters=find_unused_parameters,
+                               gradient_as_bucket_view=gradient_as_bucket_view).items():
+            check_bool(name, flag)
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group={process_group!r} must be a torch.distributed.ProcessGroup or None")
         self.input_device = _check_devices(module, device_ids)  # where forward moves inputs (None: nowhere)
@@ -76,7 +78,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._comm_hook = None  # (state, hook) once registered: kept when pickled, re-registered on load
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # whether the next forward broadcasts buffers
-        self.divide_by_initial_world_size = True  # set by join()
+        self.divide_by_initial_world_size = True  # set by join_hook(), under join()
         self.debug = debug_mode.debug_from_env() if debug is None else bool(debug)
         self.has_buffers = any(True for _ in module.buffers())  # else skip the walk on every forward
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -133,27 +135,48 @@ class DistributedDataParallel(nn.Module, Joinable):
         check_same_across_ranks("parameter/buffer/setting", records, self.process_group)
 
     def forward(self, *inputs, **kwargs):
-        self.reducer.raise_if_failed()
+        """Three steps: the collectives before the module, the module, then arm the reducer for backward."""
         syncing = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if self.debug and syncing:
-            debug_mode.check(debug_mode.FORWARD, self.reducer.iteration + 1, self.reducer.plan(),
-                              self.process_group, self.join_device, describe_bucket=self.reducer.describe_bucket)
-        count_work = Join.notify_join_context(self)  # ranks meet here under join(): who still trains?
-        if torch.is_grad_enabled():
-            self.reducer.maybe_rebuild()  # ranks meet here, once, after the first synced iteration
-        if self.require_forward_param_sync and self.broadcast_buffers and self.has_buffers:
-            self.sync_buffers(joined=False)
-        if self._join_config.enable:
-            vote_to_sync(self, joined=False)  # ranks meet here: matches the joined ranks' vote
-        if self.device_ids:
+        divisor_work = self._pre_forward(syncing)
+        if self.input_device is not None:
             inputs, kwargs = move_inputs(inputs, self.input_device), move_inputs(kwargs, self.input_device)
         output = self.module(*inputs, **kwargs)
         # As in DDP, whether the *next* forward broadcasts buffers depends on this one syncing.
         self.require_forward_param_sync = syncing
         if syncing:
-            divide_by_count = count_work is not None and not self.divide_by_initial_world_size
-            self.reducer.prepare_for_backward(count_work if divide_by_count else None)
+            self.reducer.prepare_for_backward(divisor_work)
         return output
+
+    def _pre_forward(self, syncing: bool):
+        """Every collective that comes before the module, in DDP's order.
+
+        Returns:
+            under join(divide_by_initial_world_size=False), the async count of ranks still training
+            (the gradients' divisor); else None.
+        """
+        self.reducer.prepare_for_forward()  # ranks meet here only if this rank's last backward raised
+        if self.debug and syncing:  # ranks meet here (debug mode): same iteration, same buckets?
+            debug_mode.check(debug_mode.FORWARD, self.reducer.iteration + 1, self.reducer.plan(),
+                              self.process_group, self.join_device, describe_bucket=self.reducer.describe_bucket)
+        count_work = Join.notify_join_context(self)  # ranks meet here under join(): who still trains?
+        self.sync_before_module(joined=False)
+        return count_work if count_work is not None and not self.divide_by_initial_world_size else None
+
+    def sync_before_module(self, joined: bool) -> bool | None:
+        """The collectives a rank that has joined shadows too (join.py), so the two sides share this code.
+
+        Args:
+            joined: True on a rank whose data has run out (called from DDPJoinHook.main_hook).
+        Returns:
+            on a joined rank, whether the ranks still training sync this iteration; else None.
+        """
+        if joined or torch.is_grad_enabled():
+            self.reducer.maybe_rebuild()  # ranks meet here, once, after the first synced iteration
+        if self.require_forward_param_sync and self.broadcast_buffers and self.has_buffers:
+            self.sync_buffers(joined)  # ranks meet here
+        if self._join_config.enable:
+            return vote_to_sync(self, joined)  # ranks meet here: "do we sync gradients this iteration?"
+        return None
 
     def sync_buffers(self, joined: bool) -> None:
         """Broadcast the buffers from rank 0 (under join(): from the highest rank still training)."""
@@ -163,30 +186,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         src = find_common_rank(self.process_group, self.join_device, not joined) \
             if self._join_config.enable else 0
         broadcast_coalesced(buffers, self.process_group, src=src)  # ranks meet here
-
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Join:
-        """Train on uneven inputs: `with model.join(): for batch in my_batches: ...` (DDP's join()).
-
-        Args:
-            divide_by_initial_world_size: average over the initial world size (joined ranks add
-                zeros), or over the ranks still training. Default True.
-            enable: False turns the context into a no-op. Default True.
-            throw_on_early_termination: raise on every rank as soon as one runs out. Default False.
-        """
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
-
-    def join_hook(self, **kwargs) -> DDPJoinHook:
-        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.reducer.buckets[0].buffer.device
-
-    @property
-    def join_process_group(self):
-        return self.process_group if self.process_group is not None else dist.group.WORLD
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -248,12 +247,6 @@ def _check_arguments(module, bucket_cap_mb, unsupported) -> None:
     for name, value in unsupported.items():
         if value not in (None, False):
             raise ValueError(f"minidp.DDP does not support {name}={value!r}")
-
-
-def _check_flags(**flags) -> None:
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name}={value!r} must be True or False")
 
 
 def _check_devices(module, device_ids) -> torch.device | None:

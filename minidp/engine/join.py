@@ -1,18 +1,20 @@
 """Uneven inputs: ranks that run out of data keep shadowing the others' collectives.
 
-Built on torch's generic join protocol (`torch.distributed.algorithms.Join`, public): inside
-`with model.join():`, a rank whose loop has ended waits in `Join.__exit__`, and for every
-iteration the other ranks still run, it calls our `main_hook`, which issues the same collectives
-a real iteration would (buffer broadcast, the "do we sync?" vote, one all-reduce of zeros per
-bucket). When the last rank joins, `post_hook` broadcasts the final model from it, since the
-joined ranks' optimizers stopped stepping. Same protocol and numerics as torch DDP's join().
+Built on torch's generic join protocol (`torch.distributed.algorithms.Join`, public): minidp.DDP
+is a `JoinableDDP`, so inside `with model.join():`, a rank whose loop has ended waits in
+`Join.__exit__`, and for every iteration the other ranks still run, it calls our `main_hook`, which
+issues the same collectives a real iteration would, through the same code (`sync_before_module`:
+bucket rebuild, buffer broadcast, the "do we sync?" vote; then one all-reduce of zeros per bucket).
+When the last rank joins, `post_hook` broadcasts the final model from it, since the joined ranks'
+optimizers stopped stepping. Same protocol and numerics as torch DDP's join().
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import JoinHook
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from ..validate import check_bool
 from .collectives import broadcast_coalesced
 
 
@@ -41,16 +43,13 @@ def vote_to_sync(ddp, joined: bool) -> bool | None:
 class DDPJoinHook(JoinHook):
     """Shadows one iteration of minidp.DDP per call of main_hook, on a rank that has no more data."""
 
-    def __init__(self, ddp, divide_by_initial_world_size: bool = True):
+    def __init__(self, ddp):
         self.ddp = ddp
-        ddp.divide_by_initial_world_size = divide_by_initial_world_size
 
     def main_hook(self) -> None:
         ddp = self.ddp
-        ddp.reducer.maybe_rebuild()  # ranks meet here if the others rebuild now
-        if ddp.require_forward_param_sync and ddp.broadcast_buffers:
-            ddp.sync_buffers(joined=True)
-        should_sync = vote_to_sync(ddp, joined=True)
+        # Ranks meet here: the same collectives, from the same code, as a training rank's forward.
+        should_sync = ddp.sync_before_module(joined=True)
         ddp.require_forward_param_sync = should_sync
         if should_sync:
             ddp.reducer.shadow_backward()
@@ -62,3 +61,34 @@ class DDPJoinHook(JoinHook):
         if ddp.broadcast_buffers:
             states += list(ddp.module.buffers())
         broadcast_coalesced(states, ddp.process_group, src=src)  # ranks meet here: the final model
+
+
+class JoinableDDP(Joinable):
+    """minidp.DDP's side of the Join protocol (a base class of minidp.DDP): join() and what Join asks of it."""
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Train on uneven inputs: `with model.join(): for batch in my_batches: ...` (DDP's join()).
+
+        Args:
+            divide_by_initial_world_size: average over the initial world size (joined ranks add
+                zeros), or over the ranks still training. Default True.
+            enable: False turns the context into a no-op. Default True.
+            throw_on_early_termination: raise on every rank as soon as one runs out. Default False.
+        """
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> DDPJoinHook:
+        """Called by Join on entering the context: the one place the join settings are set."""
+        self.divide_by_initial_world_size = check_bool(
+            "divide_by_initial_world_size", kwargs.get("divide_by_initial_world_size", True))
+        return DDPJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.reducer.buckets[0].buffer.device
+
+    @property
+    def join_process_group(self):
+        return self.process_group if self.process_group is not None else dist.group.WORLD
