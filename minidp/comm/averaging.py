@@ -50,11 +50,12 @@ class PeriodicAverager:
         due = self.steps >= self.warmup_steps and (self.steps - self.warmup_steps) % self.period == 0
         self.steps += 1
         if due:
-            self._average()
+            self.average()
         return due
 
     @torch.no_grad()
-    def _average(self) -> None:
+    def average(self) -> None:
+        """Average the parameters (those with a gradient) now, e.g. before evaluating; every rank calls it."""
         params = [p for p in self.model.parameters() if p.grad is not None]  # as torch's averager
         if not params:
             return
