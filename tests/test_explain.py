@@ -1,0 +1,70 @@
+"""python -m minidp.explain: real ranks, real torch DDP as the reference for the bucket layout."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from minidp.study.explain import explain, format_report, main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _explain(tmp_path, *argv):
+    proc = subprocess.run([sys.executable, "-m", "minidp.explain", *argv, "--json", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout), proc.stderr
+
+
+def test_resnet18_two_ranks_buckets_equal_torch_ddp(tmp_path):
+    report, progress = _explain(tmp_path, "resnet18", "--world-size", "2", "--input-shape", "3,16,16",
+                                "--batch", "2", "--bucket-cap-mb", "10")
+    construction, rebuilt = report["phases"]
+    assert report["tensors"] == 62 and report["parameters"] == 11_689_512 and report["rebuilt"]
+    assert len(construction["buckets"]) == 1 and construction["buckets"][0]["params"] == 62  # DDP: one bucket first
+    assert len(rebuilt["buckets"]) == 4 and rebuilt["buckets"][0]["first"] == "fc.bias"  # last layer ready first
+    for phase in (construction, rebuilt):
+        assert phase["same_as_ddp"], phase["ddp_plan"]
+        assert sum(b["params"] for b in phase["buckets"]) == 62
+        assert abs(sum(b["mib"] for b in phase["buckets"]) - report["mib"]) < 1e-9
+        assert all(b["launch_ms"] is not None and b["done_ms"] >= b["launch_ms"] for b in phase["buckets"])
+        assert all(b["ddp_launch_ms"] is not None for b in phase["buckets"])
+    launches = [b["launch_ms"] for b in rebuilt["buckets"]]
+    assert launches == sorted(launches) and launches[0] < rebuilt["backward_ms"]  # overlap: launched mid-backward
+    assert "explain: minidp step 3/3" in progress and "explain: torch DDP step 3/3" in progress
+    files = report["files"]
+    assert os.path.getsize(files["png"]) > 10_000
+    assert any(e.get("ph") == "X" for e in json.load(open(files["trace"]))["traceEvents"])
+    events = json.load(open(files["events"]))
+    assert set(events["events"]) == {"0", "1"} and len(events["params"]) == 62
+    text = format_report(report)
+    assert text.count("torch DDP builds the same buckets: yes") == 2
+    assert "After the rebuild (step 3): 4 buckets" in text and "layer4.1.conv2.weight" in text
+
+
+def test_module_factory_find_unused_no_rebuild(tmp_path):
+    # The function behind the command, from this process (tests/ is on sys.path, so models imports).
+    report = explain("models:UnusedBranch", world_size=1, input_shape=(8,), find_unused=True, bucket_cap_mb=0.0001,
+                     steps=2, out_dir=str(tmp_path), progress=lambda text: None)
+    construction, last = report["phases"]
+    assert not report["rebuilt"] and len(construction["buckets"]) > 1  # cap-sized buckets from the start
+    assert construction["same_as_ddp"] and last["same_as_ddp"]
+    assert "DDP does not rebuild either" in format_report(report)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["resnet1800"], "'resnet1800' is not a torchvision model. Did you mean resnet18"),
+    (["resnet18", "--world-size", "0"], "--world-size=0 must be >= 1"),
+    (["resnet18", "--input-shape", "3,a"], "--input-shape='3,a' must be positive integers"),
+    (["resnet18", "--input-shape", "1,32,32", "--batch", "2"], "does not accept an input of shape (2, 1, 32, 32)"),
+    (["models:nothing_here", "--input-shape", "8"], "module 'models' has no callable 'nothing_here'"),
+    (["no_such_module:make", "--input-shape", "8"], "cannot import module 'no_such_module'"),
+    (["models:MLP"], "give --input-shape"),
+])
+def test_clear_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
