@@ -148,8 +148,24 @@ def build_buckets(plan: list[list[int]], params: list, sparse: Sequence[bool]) -
 
 
 def flat_view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    """The slot of `like`'s gradient in a flat buffer: `like.numel()` elements from `offset`, shaped like it."""
-    return buffer[offset:offset + like.numel()].view_as(like)
+    """The slot of `like`'s gradient in a flat buffer: `like.numel()` elements from `offset`.
+
+    As DDP's bucket views: with `like`'s strides when its memory is dense (e.g. channels_last
+    weights get channels_last gradients, laid out in the buffer in memory order), else C-contiguous.
+    """
+    if _non_overlapping_and_dense(like):
+        return buffer.as_strided(like.shape, like.stride(), buffer.storage_offset() + offset)
+    return buffer[offset:offset + like.numel()].view(like.shape)
+
+
+def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill a block of memory exactly once, in some order of its dimensions."""
+    expected = 1
+    for stride, size in sorted((t.stride(d), t.size(d)) for d in range(t.dim()) if t.size(d) != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def no_sparse_gradient(like: torch.Tensor) -> torch.Tensor:
