@@ -207,9 +207,10 @@ def _syncbn_case(rank, sizes, dtype, channels_last, momentum, seed):
             xi = x.clone().requires_grad_()
             y = m(xi)
             (y * g).sum().backward()
-            grads = [t if t is not None else torch.zeros(3, dtype=dtype, device=device)  # torch: None if empty
-                     for t in (m.weight.grad, m.bias.grad)]
-            results[name] += [y.detach(), xi.grad, *grads, m.running_mean.clone(), m.running_var.clone()]
+            # On an empty batch torch's gradients are None, ours zeros (DDP's hooks then fire on every rank).
+            grads = [t if t is not None else torch.zeros_like(like)
+                     for t, like in ((xi.grad, xi), (m.weight.grad, m.weight), (m.bias.grad, m.bias))]
+            results[name] += [y.detach(), *grads, m.running_mean.clone(), m.running_var.clone()]
     return [(a - b).abs().max().item() if a.numel() else 0.0 for a, b in zip(results["ours"], results["theirs"])]
 
 
