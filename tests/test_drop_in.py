@@ -8,8 +8,10 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.overrides import TorchFunctionMode
 
 import minidp
 from harness import run_ranks
@@ -60,6 +62,14 @@ def too_short(state, bucket):
     return _done(bucket.buffer()[:-1].clone())
 
 
+def value_is_int(state, bucket):
+    return _done(3)
+
+
+def value_is_double(state, bucket):  # torch copies it into the float buffer: the same gradients
+    return _done(bucket.buffer().double() / dist.get_world_size())
+
+
 def _outcome(fn, *args):
     """fn(*args)'s result, or (exception type name, message) of what it raises."""
     try:
@@ -85,6 +95,8 @@ HOOK_CASES = {  # name: (hook, register twice, also run under torch DDP)
     "returns_tensor": (returns_tensor, False, True),
     "returns_none": (returns_none, False, False),
     "value_too_short": (too_short, False, True),
+    "value_is_int": (value_is_int, False, True),
+    "value_is_double": (value_is_double, False, True),
     "torch_typed": (torch_typed, False, True),
     "minidp_typed": (minidp_typed, False, False),
     "string_typed": (string_typed, False, False),
@@ -121,14 +133,15 @@ def test_comm_hook_contract_errors_as_torch_ddp():
             "registered_twice": ("RuntimeError", ["only be called once", "allreduce_hook"]),
             "returns_tensor": ("RuntimeError", ["returns_tensor", "must return a torch.futures.Future", "Tensor"]),
             "returns_none": ("RuntimeError", ["returns_none", "must return a torch.futures.Future", "NoneType"]),
-            "value_too_short": ("RuntimeError", []),
+            "value_too_short": ("RuntimeError", ["too_short", "1476 elements", "shape (1475,)"]),
+            "value_is_int": ("RuntimeError", ["value_is_int", "int: 3"]),
         }
         for name, (error, words) in expected.items():
             got = res[name, "minidp"]
             assert isinstance(got, tuple) and got[0] == error, (name, got)
             for word in words:
                 assert word in got[1], (name, word, got[1])
-        for name in ("torch_typed", "minidp_typed", "string_typed", "other_names"):
+        for name in ("torch_typed", "minidp_typed", "string_typed", "other_names", "value_is_double"):
             assert isinstance(res[name, "minidp"], list), (name, res[name, "minidp"])
 
 
@@ -221,3 +234,78 @@ def test_pickled_model_trains_on_in_a_fresh_process_group_as_torch_ddp(tmp_path)
             error = before[label, "subgroup"]
             assert isinstance(error, tuple) and error[0] == "RuntimeError", (label, error)
         assert "default process group" in before["minidp", "subgroup"][1]
+
+
+# ---- join(): buffers from the last rank still training, bit for bit, with no host sync ----------
+
+class _Buffered(nn.Module):
+    """Rank-dependent buffers (signed zeros, NaN, bools) rewritten in every forward; BatchNorm too."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(8, 4), nn.BatchNorm1d(4)
+        self.register_buffer("signs", torch.zeros(3))
+        self.register_buffer("flags", torch.zeros(2, dtype=torch.bool))
+        self.received = []  # the buffers as each forward received them (after DDP's broadcast)
+
+    def forward(self, x):
+        self.received.append(torch.cat([self.signs.view(torch.int32).double(), self.flags.double()]))
+        rank = dist.get_rank()
+        self.signs.copy_(torch.tensor([-0.0 if rank != 1 else 0.0, float("nan") if rank == 1 else 2.0, rank + 0.5]))
+        self.flags.copy_(torch.tensor([rank == 0, rank == 2]))
+        return self.bn(self.lin(x))
+
+
+class _HostSyncs(TorchFunctionMode):
+    """Counts the tensor calls that make the host wait for a value (on a GPU: a stall)."""
+
+    NAMES = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in self.NAMES
+        return func(*args, **(kwargs or {}))
+
+
+def _join_buffers_worker(batches_per_rank):
+    n = batches_per_rank[dist.get_rank()]
+    out = {}
+    for label, engine in ENGINES.items():
+        torch.manual_seed(0)
+        module = _Buffered()
+        model = engine(module, bucket_cap_mb=0.0005)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(7 + dist.get_rank())
+        syncs = _HostSyncs()
+        with model.join():
+            for step in range(n):
+                x = torch.randn(4, 8, generator=gen)
+                if step >= 2 and label == "minidp":  # after the one-time bucket rebuild
+                    with syncs:
+                        y = model(x)
+                else:
+                    y = model(x)
+                y.pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        out[label] = (module.received, [t.detach().clone() for t in module.state_dict().values()])
+        out["host_syncs"] = syncs.count
+    return out
+
+
+def _bits(t):
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def test_join_buffers_bitwise_as_torch_ddp_without_host_syncs():
+    results = run_ranks(_join_buffers_worker, 3, (7, 5, 6), timeout=200)
+    for rank, res in enumerate(results):
+        (ours_received, ours_state), (theirs_received, theirs_state) = res["minidp"], res["torch"]
+        assert len(ours_received) == len(theirs_received) == (7, 5, 6)[rank]
+        for step, (a, b) in enumerate(zip(ours_received, theirs_received)):
+            assert torch.equal(a, b), (rank, step, a, b)  # bit patterns: -0.0 and NaN included
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(ours_state, theirs_state))
+        assert res["host_syncs"] == 0, f"rank {rank}: {res['host_syncs']} host syncs in forward under join()"

@@ -7,7 +7,6 @@ The gradient averaging itself lives in reducer.py.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 
 import torch
@@ -19,8 +18,8 @@ from torch.nn.utils.rnn import PackedSequence
 from ..validate import check_bool
 from . import debug as debug_mode
 from .collectives import broadcast_coalesced, check_same_across_ranks
-from .hooks import call_comm_hook, check_comm_hook, hook_name
-from .join import JoinableDDP, find_common_rank, vote_to_sync
+from .hooks import check_comm_hook
+from .join import JoinableDDP, broadcast_from_last_trainer, vote_to_sync
 from .reducer import Reducer
 from .timeline import Timeline
 
@@ -121,7 +120,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self.process_group = None
         self._build_reducer()  # fresh, as DDP's: the first iteration uses the initial bucket layout
         if self._comm_hook is not None:  # unlike torch DDP, which drops it from the rebuilt reducer
-            self._install_comm_hook(*self._comm_hook)
+            self.reducer.register_comm_hook(*self._comm_hook)
 
     def _verify_across_ranks(self, named, bucket_cap_mb) -> None:
         """Every rank must wrap the same parameters (and settings); say where they differ."""
@@ -155,9 +154,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             (the gradients' divisor); else None.
         """
         self.reducer.prepare_for_forward()  # ranks meet here only if this rank's last backward raised
-        if self.debug and syncing:  # ranks meet here (debug mode): same iteration, same buckets?
-            debug_mode.check(debug_mode.FORWARD, self.reducer.iteration + 1, self.reducer.plan(),
-                              self.process_group, self.join_device, describe_bucket=self.reducer.describe_bucket)
+        if syncing:
+            self.reducer.check_consistency(debug_mode.FORWARD)  # ranks meet here in debug mode only
         count_work = Join.notify_join_context(self)  # ranks meet here under join(): who still trains?
         self.sync_before_module(joined=False)
         return count_work if count_work is not None and not self.divide_by_initial_world_size else None
@@ -183,9 +181,10 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         buffers = list(self.module.buffers())
         if not buffers:
             return
-        src = find_common_rank(self.process_group, self.join_device, not joined) \
-            if self._join_config.enable else 0
-        broadcast_coalesced(buffers, self.process_group, src=src)  # ranks meet here
+        if self._join_config.enable:  # ranks meet here, joined ones too
+            broadcast_from_last_trainer(buffers, self.process_group, self.join_device, training=not joined)
+        else:
+            broadcast_coalesced(buffers, self.process_group)  # ranks meet here
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -211,16 +210,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             hook: `hook(state, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]`.
         """
         check_comm_hook(hook)  # TypeError / ValueError, as torch DDP's _check_comm_hook
-        if self._comm_hook is not None:
-            raise RuntimeError("register_comm_hook can only be called once: a communication hook is "
-                               f"registered already ({hook_name(self._comm_hook[1])})")
+        self.reducer.register_comm_hook(state, hook)  # RuntimeError if one is registered already
         self._comm_hook = (state, hook)
-        self._install_comm_hook(state, hook)
-
-    def _install_comm_hook(self, state, hook: Callable) -> None:
-        # Every call goes through call_comm_hook, which checks that the hook returned a Future.
-        self.reducer.comm_hook, self.reducer.comm_state = functools.partial(call_comm_hook, hook), state
-        self.reducer.custom_hook = True
 
     def enable_timeline(self) -> Timeline:
         """Start recording gradient-ready, launch and completion events; returns the Timeline."""

@@ -15,18 +15,45 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..validate import check_bool
-from .collectives import broadcast_coalesced
+from .collectives import BROADCAST_CHUNK_BYTES, _chunks, broadcast_coalesced  # _chunks: as broadcast_coalesced packs
 
 
 def find_common_rank(group, device, candidate: bool) -> int:
-    """The highest group rank among those with `candidate` True (DDP's tie-break)."""
-    rank = dist.get_rank(group)
-    pick = torch.tensor([rank if candidate else -1], device=device)
+    """The highest group rank among those with `candidate` True (DDP's tie-break); a host sync, used once."""
+    pick = torch.full((1,), dist.get_rank(group) if candidate else -1, device=device)
     dist.all_reduce(pick, op=dist.ReduceOp.MAX, group=group)  # ranks meet here
     found = int(pick.item())
     if found < 0:
         raise RuntimeError("minidp join: no rank qualified as the authoritative copy")
     return found
+
+
+def broadcast_from_last_trainer(tensors: list, group, device, training: bool) -> None:
+    """Overwrite `tensors` on every rank with those of the highest rank still training, with no host sync.
+
+    DDP learns that rank on the host (`.item()`) before broadcasting from it: a stall on every forward
+    under join(). Here each rank finds out on the device whether it is the source, and an all-reduce
+    sums the source's values with -0.0 from every other rank (0 for integers): x + (-0.0) == x for
+    every float x, signed zeros and NaN included, so all ranks get the source's values bit for bit.
+
+    Args:
+        tensors: the buffers to overwrite (any dtypes; grouped into flat chunks by dtype and device).
+        device: where the vote runs (the reducer's device).
+        training: whether this rank still has data (a candidate to be the source).
+    """
+    rank = dist.get_rank(group)
+    pick = torch.full((1,), rank if training else -1, device=device)
+    dist.all_reduce(pick, op=dist.ReduceOp.MAX, group=group)  # ranks meet here: who is the source?
+    is_source = pick == rank  # stays on the device
+    for chunk in _chunks(tensors, BROADCAST_CHUNK_BYTES):
+        flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+        summable = flat.to(torch.uint8) if flat.dtype == torch.bool else flat  # sums of bools: as bytes
+        neutral = -0.0 if summable.is_floating_point() else 0
+        summable = torch.where(is_source.to(flat.device), summable, neutral)
+        dist.all_reduce(summable, group=group)  # ranks meet here: the source's values, bit for bit
+        with torch.no_grad():
+            pieces = summable.to(flat.dtype).split([t.numel() for t in chunk])
+            torch._foreach_copy_(chunk, [piece.view_as(t) for piece, t in zip(pieces, chunk)])
 
 
 def vote_to_sync(ddp, joined: bool) -> bool | None:
