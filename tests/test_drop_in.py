@@ -6,6 +6,7 @@ exception type (with a message that names the hook and what was wrong).
 import copy
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -309,3 +310,25 @@ def test_join_buffers_bitwise_as_torch_ddp_without_host_syncs():
             assert torch.equal(a, b), (rank, step, a, b)  # bit patterns: -0.0 and NaN included
         assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(ours_state, theirs_state))
         assert res["host_syncs"] == 0, f"rank {rank}: {res['host_syncs']} host syncs in forward under join()"
+
+
+def _join_no_sync_on_gpu_worker():
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = minidp.DDP(build("cnn_bn").to(device), device_ids=[device.index])
+    xs = [torch.randn(4, 3, 4, 4, device=device) for _ in range(4)]  # already on the device: no copy
+    with model.join():
+        for step, x in enumerate(xs):
+            torch.cuda.synchronize()
+            if step >= 2:  # after the one-time bucket rebuild
+                torch.cuda.set_sync_debug_mode("error")  # any host sync in forward raises
+            try:
+                y = model(x)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            y.pow(2).mean().backward()
+    return True
+
+
+@pytest.mark.gpu
+def test_join_forward_makes_no_host_sync_on_gpu():
+    assert run_ranks(_join_no_sync_on_gpu_worker, 1) == [True]
