@@ -1,0 +1,72 @@
+"""The compression study and the GPU check as commands: tiny runs of the real scripts, and their argument checks.
+
+benchmarks/gpu_check.py is written for a GPU; here it runs its CPU dry run (gloo, the CuPy rows
+reported as skipped), which goes through the same code except the CUDA device and CupyNccl.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import compression  # noqa: E402 - benchmarks/ is not a package
+import gpu_check  # noqa: E402
+
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+               "MASTER_ADDR", "MASTER_PORT")
+
+
+def _run(*cmd, timeout=240):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env["PYTHONPATH"] = ROOT
+    return subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_compression_study_quick_run_writes_json_plot_and_table(tmp_path):
+    results_md = tmp_path / "RESULTS.md"
+    results_md.write_text("# notes kept\n")
+    proc = _run("benchmarks/compression.py", "--quick", "--configs", "exact,TopK 1%+EF,local SGD /4", "--out",
+                str(tmp_path), "--results-md", str(results_md), "--synthetic-dir", str(tmp_path / "data"))
+    assert proc.returncode == 0, proc.stderr
+    with open(tmp_path / "results" / "compression_cpu.json") as f:
+        data = json.load(f)
+    rows = {r["name"]: r for r in data["results"]}
+    assert list(rows) == ["exact", "TopK 1%+EF", "local SGD /4"] and data["world_size"] == 2
+    assert rows["TopK 1%+EF"]["bytes_measured"] == rows["TopK 1%+EF"]["bytes_analytical"] < rows["exact"]["bytes_dense"]
+    assert os.path.getsize(tmp_path / "results" / "compression_cpu.png") > 1000
+    text = results_md.read_text()
+    assert text.startswith("# notes kept\n") and "<!-- BEGIN compression cpu -->" in text and "| TopK 1%+EF |" in text
+
+
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+    results_md = tmp_path / "RESULTS.md"
+    proc = _run("benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--steps", "2", "--checks",
+                "cupy,compressors", "--results-md", str(results_md))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| CupyNccl world 1 | skipped | CupyNccl() needs" in proc.stdout
+    assert proc.stdout.count("+EF on cpu over TorchDist | ok |") == len(gpu_check.COMPRESSORS)
+    assert "<!-- BEGIN gpu_check cpu -->" in results_md.read_text()
+
+
+@pytest.mark.parametrize("module, argv, words", [
+    (compression, ["--configs", "exact,Zip"], "--configs: unknown ['Zip']"),
+    (compression, ["--epochs", "0"], "argument --epochs"),
+    (gpu_check, ["--device", "cpu", "--steps", "0"], "--steps 0 must be >= 1"),
+    (gpu_check, ["--device", "cpu", "--checks", "nccl,zip"], "choose from nccl,cupy,compressors,gloo"),
+])
+def test_benchmark_arguments_are_checked(module, argv, words, capsys):
+    with pytest.raises(SystemExit):
+        module.parse_args(argv)
+    assert words in capsys.readouterr().err
+
+
+def test_gpu_check_refuses_cuda_without_a_gpu(capsys):
+    if gpu_check.torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args([])
+    assert "use --device cpu for a dry run" in capsys.readouterr().err
