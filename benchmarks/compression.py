@@ -116,11 +116,11 @@ def attach(model, spec, start_iter: int):
     return state
 
 
-def run_config(name: str, data: dict, args, env) -> dict:
+def run_config(name: str, data: dict, args, env, device: torch.device) -> dict:
     """Train one config from the same initial weights; returns its measurements (same on every rank)."""
     torch.manual_seed(args.seed)
-    module = common.resnet18_cifar(10, args.width).to(env.device)
-    model = minidp.DDP(module, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+    module = common.resnet18_cifar(10, args.width).to(device)
+    model = minidp.DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
     counter = attach(model, CONFIGS[name], args.start_iter)
     steps_per_epoch = len(data["train"][1]) // env.world_size // args.batch_size
     opt_args = argparse.Namespace(optimizer="sgd", lr=0.05, epochs=args.epochs, warmup_epochs=1.0)
@@ -130,7 +130,7 @@ def run_config(name: str, data: dict, args, env) -> dict:
         for images, labels in batches(data, args, epoch, env.rank, env.world_size):
             if step == args.start_iter and counter is not None:
                 snapshot = _counters(counter)
-            _sync(env)
+            _sync(device)
             start = time.perf_counter()
             loss = F.cross_entropy(model(images), labels)
             opt.zero_grad(set_to_none=True)
@@ -139,7 +139,7 @@ def run_config(name: str, data: dict, args, env) -> dict:
             sched.step()
             if CONFIGS[name] == "local":
                 counter.step()
-            _sync(env)
+            _sync(device)
             times.append(time.perf_counter() - start)
             losses.append(loss.detach())
             step += 1
@@ -151,8 +151,8 @@ def run_config(name: str, data: dict, args, env) -> dict:
             "train_loss": _mean_over_ranks(losses[-steps_per_epoch:]), **_evaluate(module, data)}
 
 
-def _sync(env) -> None:
-    if env.device.type == "cuda":
+def _sync(device) -> None:
+    if device.type == "cuda":
         torch.cuda.synchronize()
 
 
@@ -191,18 +191,19 @@ def _evaluate(module, data) -> dict:
 
 
 def worker(local_rank: int, args, json_path: str) -> None:
-    env = minidp.init()
+    env = minidp.init(backend="nccl" if args.device == "cuda" else "gloo")
+    device = env.device if args.device == "cuda" else torch.device("cpu")  # cpu even where there is a GPU
     torch.set_num_threads(1)  # two ranks on two cores
-    data = load_data(args, env.device)
+    data = load_data(args, device)
     results = []
     for name in args.configs:
-        results.append(run_config(name, data, args, env))
+        results.append(run_config(name, data, args, env, device))
         minidp.print0(f"{name:>16}: val accuracy {results[-1]['val_accuracy']:.3f}  train loss "
                       f"{results[-1]['train_loss']:.3f}  bytes/step {results[-1]['bytes_measured']:,.0f}")
     if minidp.is_main():
         with open(json_path, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "world_size": env.world_size,
-                       "device": str(env.device.type), "results": results}, f, indent=1)
+            json.dump({"args": vars(args), "world_size": env.world_size, "device": device.type,
+                       "results": results}, f, indent=1)
     minidp.shutdown()
 
 

@@ -67,6 +67,7 @@ def _cupy_primitives(device):
 
 
 def _world_of_one_nccl():
+    minidp.init(backend="nccl", timeout=60)  # explicit: the suite's MINIDP_BACKEND says gloo
     device = torch.device("cuda", torch.cuda.current_device())
     out = {"backend": dist.get_backend(), "primitives": _cupy_primitives(device)}
     reference = _train(TorchDDP, device)
@@ -89,7 +90,7 @@ def _world_of_one_nccl():
 
 
 def test_cupy_transport_and_compressors_on_one_gpu():
-    out = run_ranks(_world_of_one_nccl, 1, timeout=300)[0]
+    out = run_ranks(_world_of_one_nccl, 1, init=False, timeout=300)[0]
     assert out["backend"] == "nccl"
     prims = out.pop("primitives")
     assert all(v is True for k, v in prims.items() if k != "wrong_device"), prims

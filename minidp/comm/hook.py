@@ -98,8 +98,7 @@ class CompressionState:
             try:
                 if self._error:  # a failed bucket leaves the ranks out of step: do not start more collectives
                     raise RuntimeError(f"compression_hook: an earlier bucket failed: {self._error}")
-                on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-                with on_stream:
+                with _on(stream):
                     self._reduce(job, compress)
                     future.set_result(job.tensor)  # on CUDA: records an event on this stream
             except Exception as exc:  # noqa: BLE001 - handed to whoever waits on the bucket
@@ -158,6 +157,16 @@ class CompressionState:
     def __repr__(self) -> str:
         return (f"CompressionState(compressor={self.compressor!r}, memory={self.memory!r}, "
                 f"transport={self.transport!r}, start_iter={self.start_iter}, steps={self.steps})")
+
+
+def _on(stream):
+    """Run on `stream` and its device (this thread's defaults are device 0 and its default stream)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.cuda.device(stream.device))
+    stack.enter_context(torch.cuda.stream(stream))
+    return stack
 
 
 def hook(state, bucket):  # no annotations: torch DDP accepts only its exact ones, or none
