@@ -60,7 +60,9 @@ class Reducer:
         self.comm_hook, self.comm_state = None, None  # None: the default path (allreduce_sum_hook)
         self.timeline = None  # a minidp.timeline.Timeline while recording, else None (zero cost)
         self.iteration = 0  # synced backwards prepared so far
-        self.divisor, self.divisor_work = self.world_size, None  # join() may shrink the divisor
+        # Gradients are divided by `divisor` (multiplied by `scale` = 1/divisor, in float64 as DDP's
+        # reciprocal): the world size, or under join() a count on the device.
+        self.divisor, self.scale, self.divisor_work = self.world_size, 1.0 / self.world_size, None
         self.expect_hooks = False  # True between a syncing forward and the end of its backward
         # reducing: a gradient hook fired in this iteration, so collectives may be in flight; the
         # iteration is open until _finalize (or, after a failed backward, prepare_for_forward) closes it.
@@ -158,7 +160,7 @@ class Reducer:
                 bucket.buffer.zero_()
             bucket.pending, bucket.deferred = 0, []
         self._launch_ready_buckets()  # ranks meet here: the buckets this rank had not launched
-        self._end_iteration(failed=True)
+        self._end_iteration(failed=True, ready=self.ready)
         if self.timeline is not None:
             self.timeline.record("failed_iteration_closed")
 
@@ -172,7 +174,7 @@ class Reducer:
                 that counts the ranks still training; gradients are divided by that count.
         """
         self.iteration += 1
-        self.divisor, self.divisor_work = self.world_size, divisor_work
+        self.divisor, self.scale, self.divisor_work = self.world_size, 1.0 / self.world_size, divisor_work
         self.ready = [False] * len(self.params)
         for bucket in self.buckets:
             bucket.pending, bucket.future, bucket.deferred = len(bucket.param_indices), None, []
@@ -194,7 +196,9 @@ class Reducer:
             self.reducing = True
             if self.divisor_work is not None:  # join(): divide by the ranks still training
                 self.divisor_work.wait()
-                self.divisor = int(self.divisor_work.result()[0].item())
+                # Kept on the device (no .item(), which would wait for the GPU mid-backward).
+                self.divisor = self.divisor_work.result()[0].reshape(())
+                self.scale = 1.0 / self.divisor.double()
         self.ready[index] = True
         if self.rebuild_pending:
             self.ready_order.append(index)
@@ -228,7 +232,7 @@ class Reducer:
             bucket.deferred.append((slot, grad, param))
             return
         if default_path:
-            torch.mul(grad, 1.0 / self.divisor, out=view)  # DDP: multiply by the reciprocal while copying
+            torch.mul(grad, self.scale, out=view)  # DDP: multiply by the reciprocal while copying
         else:
             view.copy_(grad)
         if self.gradient_as_bucket_view:  # from now on the gradient lives in the bucket
@@ -241,7 +245,7 @@ class Reducer:
         views = [bucket.views[slot] for slot, _, _ in bucket.deferred]
         torch._foreach_copy_(views, [grad for _, grad, _ in bucket.deferred])
         if self.comm_hook is None:
-            torch._foreach_mul_(views, 1.0 / self.divisor)
+            torch._foreach_mul_(views, self.scale)
         if self.gradient_as_bucket_view:
             for view, (_, _, param) in zip(views, bucket.deferred):
                 param.grad = view
@@ -286,7 +290,7 @@ class Reducer:
                 bucket.views[self.slot_of[i]].zero_()
             bucket.pending -= 1
         self._launch_ready_buckets()
-        results, failed_ranks, used = self._end_iteration(failed=False)
+        results, failed_ranks, used = self._end_iteration(failed=False, ready=self.ready)
         if failed_ranks:
             raise RuntimeError(
                 f"minidp.DDP on rank {self.rank}: the backward of iteration {self.iteration} raised on rank(s) "
@@ -299,46 +303,47 @@ class Reducer:
         if self.timeline is not None:
             self.timeline.record("finalize_end")
 
-    def _end_iteration(self, failed: bool):
-        """Wait for every bucket, exchange the iteration's status, and close the iteration.
+    def _end_iteration(self, failed: bool, ready: list[bool]):
+        """Wait for every bucket, exchange the iteration's status (ranks meet here), close the iteration.
+
+        The status all-reduce holds one flag per rank (did its backward fail?) and, with
+        find_unused_parameters, how many ranks produced each parameter's gradient. On the default
+        path it starts right behind the last bucket and overlaps their reduction; a registered hook
+        may issue collectives from its futures' callbacks (PowerSGD does), so then it starts only
+        once every bucket is done: else ranks could order the two differently.
 
         Returns:
             (reduced buffers by bucket, failed group ranks, per-parameter use counts or None)
         """
+        status = self._start_status(failed, ready) if self.comm_hook is None else None
         results = [self._wait(bucket) for bucket in self.buckets]
-        failed_ranks, used = self._exchange_status(failed, self.ready)
+        status, work = status or self._start_status(failed, ready)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"minidp.DDP on rank {self.rank}: iteration {self.iteration}: the end-of-backward status "
+                f"all-reduce failed; likely {debug_mode.LIKELY_CAUSES}, or a rank's backward raised and it "
+                f"ran no forward afterwards (MINIDP_DEBUG=1 checks every step). Cause: {exc}") from exc
+        # The one host read per iteration (free on gloo, whose wait already blocked; on CUDA it waits for
+        # the reduction): whether to raise is a decision of the host.
+        counts = status.tolist()
+        failed_ranks = [r for r in range(self.world_size) if counts[r]]
         self.reducing = False
         for bucket in self.buckets:
             bucket.future, bucket.deferred = None, []
         if failed_ranks and self.rebuild_pending:
             # Every rank drops the failed iteration's ready order, so all rebuild after the same iteration.
             self.ready_order = []
-        return results, failed_ranks, used
+        return results, failed_ranks, counts[self.world_size:] or None
 
-    def _exchange_status(self, failed: bool, ready: list[bool]):
-        """Ranks meet here once per synced iteration, after every bucket: whose backward failed, and
-        (find_unused_parameters) how many ranks produced each parameter's gradient.
-
-        After waiting for the buckets, so that a comm hook's own chained collectives are all issued
-        before it, in the same order on every rank.
-
-        Returns:
-            (failed group ranks, per-parameter use counts or None)
-        """
+    def _start_status(self, failed: bool, ready: list[bool]):
         status = torch.zeros(self.world_size + len(self.params) * self.find_unused_parameters,
                              dtype=torch.int32, device=self.device)
         status[self.rank] = int(failed)
         if self.find_unused_parameters:
             status[self.world_size:] = torch.tensor(ready, dtype=torch.int32)
-        try:
-            dist.all_reduce(status, group=self.process_group)  # ranks meet here
-        except RuntimeError as exc:
-            raise RuntimeError(
-                f"minidp.DDP on rank {self.rank}: iteration {self.iteration}: the end-of-backward status "
-                f"all-reduce failed; likely {debug_mode.LIKELY_CAUSES}, or a rank's backward raised and it "
-                f"ran no forward afterwards (MINIDP_DEBUG=1 checks every step). Cause: {exc}") from exc
-        counts = status.tolist()
-        return [r for r in range(self.world_size) if counts[r]], counts[self.world_size:] or None
+        return status, dist.all_reduce(status, group=self.process_group, async_op=True)  # ranks meet here
 
     def _wait(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's reduced buffer; a failure names this rank, the iteration and the bucket."""
@@ -363,14 +368,11 @@ class Reducer:
 
     def shadow_backward(self) -> None:
         """For a rank that has joined (no more data): match one backward's collectives with zeros."""
-        zeros = [no_sparse_gradient(b.buffer) if b.sparse else torch.zeros_like(b.buffer) for b in self.buckets]
-        futures = [self._reduce(b, z) for b, z in zip(self.buckets, zeros)]  # ranks meet here, as in training
-        for future in futures:
-            future.wait()
-        failed_ranks, _ = self._exchange_status(False, [False] * len(self.params))  # ranks meet here
-        if self.rebuild_pending and failed_ranks:
-            self.ready_order = []  # the iteration failed on a training rank: as in _end_iteration
-        elif self.rebuild_pending and not self.ready_order:
+        for bucket in self.buckets:  # ranks meet here: the same buckets, in the same order, as training ranks
+            zeros = no_sparse_gradient(bucket.buffer) if bucket.sparse else torch.zeros_like(bucket.buffer)
+            bucket.future = self._reduce(bucket, zeros)
+        _, failed_ranks, _ = self._end_iteration(failed=False, ready=[False] * len(self.params))
+        if self.rebuild_pending and not failed_ranks and not self.ready_order:
             self.ready_order = list(range(len(self.params)))  # as DDP: a joined rank votes for the default
 
 
