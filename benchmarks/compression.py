@@ -63,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    f"{START_ITER})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--synthetic-dir", default=None, help="where the synthetic set is written (default: temp dir)")
+    p.add_argument("--from-json", default=None, help="comma-separated result JSONs of earlier runs (e.g. one per "
+                   "subset of --configs, each with exact): merge them into the table and plot; run nothing")
     for name, value in FULL.items():
         p.add_argument("--" + name.replace("_", "-"), type=common.positive, default=None, help=f"default {value}")
     args = p.parse_args(argv)
@@ -208,16 +210,39 @@ def worker(local_rank: int, args, json_path: str) -> None:
 
 
 # ----------------------------------------------------------------------------- report
+def median_step(result: dict) -> float:
+    return statistics.median(result["times"][3:] or result["times"])
+
+
+def add_step_ratios(data: dict) -> None:
+    """Each result's median step time over exact's in the same run (runs differ in machine load)."""
+    exact = next((r for r in data["results"] if r["name"] == "exact"), None)
+    for r in data["results"]:
+        r["step_ratio"] = median_step(r) / median_step(exact) if exact else None
+
+
+def merge(paths: list[str]) -> dict:
+    """Several runs' results as one (the first run's row wins for a config run twice, e.g. exact)."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    seen, results = set(), []
+    for run in runs:
+        results += [r for r in run["results"] if r["name"] not in seen]
+        seen.update(r["name"] for r in run["results"])
+    order = list(CONFIGS)
+    results.sort(key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+    return {**runs[0], "results": results}
+
+
 def table(data: dict) -> str:
     """The markdown table: one row per config."""
     rows = data["results"]
-    exact = next((r for r in rows if r["name"] == "exact"), None)
-    base = statistics.median(exact["times"][3:] or exact["times"]) if exact else None
     lines = ["| method | val accuracy | val loss | train loss | bytes/step measured | bytes/step analytical | "
              "vs exact bytes | step time vs exact |", "|" + " --- |" * 8]
     for r in rows:
-        median = statistics.median(r["times"][3:] or r["times"])
-        time_ratio = f"{median / base:.2f}" if base else "-"
+        time_ratio = f"{r['step_ratio']:.2f}" if r.get("step_ratio") else "-"
         lines.append(f"| {r['name']} | {r['val_accuracy']:.3f} | {r['val_loss']:.3f} | {r['train_loss']:.3f} | "
                      f"{r['bytes_measured']:,.0f} | {r['bytes_analytical']:,.0f} | "
                      f"{r['bytes_measured'] / r['bytes_dense']:.4f} | {time_ratio} |")
@@ -264,9 +289,15 @@ def main(argv=None) -> None:
     results = os.path.join(args.out, "results")
     os.makedirs(results, exist_ok=True)
     json_path = os.path.join(results, f"compression_{args.device}.json")
-    minidp.launch(worker, nprocs=args.nproc, args=(args, json_path))
-    with open(json_path) as f:
-        data = json.load(f)
+    if args.from_json:
+        data = merge(args.from_json.split(","))
+    else:
+        minidp.launch(worker, nprocs=args.nproc, args=(args, json_path))
+        with open(json_path) as f:
+            data = json.load(f)
+        add_step_ratios(data)
+    with open(json_path, "w") as f:
+        json.dump(data, f, indent=1)
     plot(data, os.path.join(results, f"compression_{args.device}.png"))
     text = (f"Gradient compression, {data['device']}, world size {data['world_size']} (benchmarks/compression.py)"
             f"\n\n{table(data)}\n\n![accuracy against bytes](results/compression_{args.device}.png)")

@@ -38,6 +38,7 @@ def test_compression_study_quick_run_writes_json_plot_and_table(tmp_path):
     assert list(rows) == ["exact", "TopK 1%+EF", "local SGD /4"] and data["world_size"] == 2
     assert rows["TopK 1%+EF"]["bytes_measured"] == rows["TopK 1%+EF"]["bytes_analytical"] < rows["exact"]["bytes_dense"]
     assert os.path.getsize(tmp_path / "results" / "compression_cpu.png") > 1000
+    assert rows["exact"]["step_ratio"] == 1.0 and rows["TopK 1%+EF"]["step_ratio"] > 0
     text = results_md.read_text()
     assert text.startswith("# notes kept\n") and "<!-- BEGIN compression cpu -->" in text and "| TopK 1%+EF |" in text
 
@@ -45,9 +46,9 @@ def test_compression_study_quick_run_writes_json_plot_and_table(tmp_path):
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     results_md = tmp_path / "RESULTS.md"
     proc = _run("benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--steps", "2", "--checks",
-                "cupy,compressors", "--results-md", str(results_md))
+                "compressors", "--results-md", str(results_md))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| CupyNccl world 1 | skipped | CupyNccl() needs" in proc.stdout
+    assert "| compressors over CupyNccl | skipped | CupyNccl() needs" in proc.stdout
     assert proc.stdout.count("+EF on cpu over TorchDist | ok |") == len(gpu_check.COMPRESSORS)
     assert "<!-- BEGIN gpu_check cpu -->" in results_md.read_text()
 
@@ -70,3 +71,21 @@ def test_gpu_check_refuses_cuda_without_a_gpu(capsys):
     with pytest.raises(SystemExit):
         gpu_check.parse_args([])
     assert "use --device cpu for a dry run" in capsys.readouterr().err
+
+
+def test_runs_in_parts_merge_into_one_table(tmp_path):
+    def result(name, accuracy, step):
+        return {"name": name, "times": [step] * 5, "val_accuracy": accuracy, "val_loss": 1.0, "train_loss": 1.0,
+                "bytes_measured": 10, "bytes_analytical": 10, "bytes_dense": 100}
+    parts = [{"args": {"width": 16, "epochs": 4}, "world_size": 2, "device": "cpu",
+              "results": [result("exact", 0.5, 1.0), result("Sign+EF", 0.4, 3.0)]},
+             {"args": {"width": 16, "epochs": 4}, "world_size": 2, "device": "cpu",
+              "results": [result("exact", 0.6, 2.0), result("FP16", 0.45, 3.0)]}]
+    for i, part in enumerate(parts):
+        compression.add_step_ratios(part)
+        (tmp_path / f"{i}.json").write_text(json.dumps(part))
+    merged = compression.merge([str(tmp_path / "0.json"), str(tmp_path / "1.json")])
+    assert [r["name"] for r in merged["results"]] == ["exact", "FP16", "Sign+EF"]  # the study's order
+    assert merged["results"][0]["val_accuracy"] == 0.5  # the first run's exact
+    assert [r["step_ratio"] for r in merged["results"]] == [1.0, 1.5, 3.0]  # each against its own run's exact
+    assert "| FP16 | 0.450 | 1.000 | 1.000 | 10 | 10 | 0.1000 | 1.50 |" in compression.table(merged)
