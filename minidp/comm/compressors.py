@@ -212,8 +212,11 @@ class RandomK(Compressor):
 class QSGD(Compressor):
     """QSGD (Alistarh et al. 2017): each element as sign * level / levels of its block's norm, stochastically rounded.
 
-    Unbiased. Sends one int8 per element (int16 when levels > 127) plus one norm per block of
-    `block_size` elements; all-gathered (each rank's norms differ).
+    Unbiased. Sends one int8 per element (int16 when levels > 127; no bit packing, so levels up to
+    127 all cost one byte) plus one norm per block of `block_size` elements; all-gathered (each
+    rank's norms differ). With ErrorFeedback, use enough levels that the quantization error stays
+    below the signal (variance factor min(d/s^2, sqrt(d)/s) < 1 for blocks of d): with QSGD(2) and
+    blocks of 512 the residual grows without bound and training diverges.
 
     Args:
         levels: quantization levels s >= 1 (QSGD's s); 1 is ternary. At most 32767.
