@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .engine.collectives import all_gather_objects, collective_device
+from .validate import check_int
 
 MAGIC = b"MINIDPCK"
 HEADER_BYTES = 8 + 16 + 64 + 8  # magic, hex length, hex sha256, padding
@@ -225,9 +226,8 @@ def _check_save_args(model, optimizer, step, epoch) -> None:
         raise TypeError(f"model={type(model).__name__} must be a torch.nn.Module")
     if optimizer is not None and not hasattr(optimizer, "state_dict"):
         raise TypeError(f"optimizer={type(optimizer).__name__} has no state_dict()")
-    for name, value in (("step", step), ("epoch", epoch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}={value!r} must be a non-negative int")
+    check_int("step", step, 0)
+    check_int("epoch", epoch, 0)
 
 
 def _rank() -> int:

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import constants
 
+from .validate import check_int, check_number
+
 KNOWN_BACKENDS = {"gloo", "nccl", "mpi", "ucc"}
 BACKEND_VARIABLE = "MINIDP_BACKEND"  # e.g. MINIDP_BACKEND=gloo: a test suite or CPU job on a GPU machine
 
@@ -77,10 +79,7 @@ def resolve_env(environ: Optional[Mapping[str, str]] = None, **explicit) -> Dist
     values = {}
     for name, torchrun_var, slurm_var in _SOURCES:
         if explicit.get(name) is not None:
-            value = explicit[name]
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name}={value!r} must be an int")
-            values[name] = value
+            values[name] = check_int(name, explicit[name])  # ranges: _check_ranks, with the others
         elif torchrun_var in environ:
             values[name] = _as_int(environ[torchrun_var], name, torchrun_var)
         elif use_slurm and slurm_var in environ:
@@ -177,13 +176,13 @@ def _check_nccl(spec: DistEnv) -> None:
 def _as_timedelta(timeout: Union[float, datetime.timedelta, None], backend: str = "gloo") -> datetime.timedelta:
     if timeout is None:
         return default_timeout(backend)
-    if not isinstance(timeout, datetime.timedelta):
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise TypeError(f"timeout={timeout!r} must be seconds (a number) or a datetime.timedelta")
-        timeout = datetime.timedelta(seconds=timeout)
-    if timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout={timeout} must be positive")
-    return timeout
+    if isinstance(timeout, datetime.timedelta):
+        if timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout={timeout!r} must be positive")
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):  # the message names both forms
+        raise TypeError(f"timeout={timeout!r} must be seconds (a number) or a datetime.timedelta")
+    return datetime.timedelta(seconds=check_number("timeout", timeout, positive=True))
 
 
 def init(

@@ -34,6 +34,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .validate import check_int, check_number
+
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -214,12 +216,10 @@ class SyncBatchNorm(_BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, track_running_stats: bool = True, process_group=None,
                  device=None, dtype=None, *, bias: bool = True) -> None:
-        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
-            raise ValueError(f"SyncBatchNorm: num_features={num_features!r} must be an int >= 1")
-        if not eps > 0:
-            raise ValueError(f"SyncBatchNorm: eps={eps!r} must be > 0")
-        if momentum is not None and not 0 <= momentum <= 1:
-            raise ValueError(f"SyncBatchNorm: momentum={momentum!r} must be in [0, 1], or None")
+        check_int("num_features", num_features, 1)
+        check_number("eps", eps, positive=True)
+        if momentum is not None:  # None: a cumulative average, as torch allows
+            check_number("momentum", momentum, low=0, high=1)
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype, bias=bias)
         self.process_group = process_group

@@ -105,6 +105,23 @@ def test_crash_while_writing_keeps_the_previous_checkpoint(tmp_path, monkeypatch
     assert minidp.load_checkpoint(str(path) + ".prev", restored)["step"] == 1
 
 
+@pytest.mark.parametrize("call, error, words", [
+    (lambda d: minidp.save_checkpoint(3.5, nn.Linear(2, 2)), TypeError, ["path=3.5"]),
+    (lambda d: minidp.save_checkpoint(d / "x.pt", "model"), TypeError, ["model=str"]),
+    (lambda d: minidp.save_checkpoint(d / "x.pt", nn.Linear(2, 2), step=-1), ValueError, ["step=-1", ">= 0"]),
+    (lambda d: minidp.save_checkpoint(d / "x.pt", nn.Linear(2, 2), step=1.5), TypeError, ["step=1.5", "an int"]),
+    (lambda d: minidp.save_checkpoint(d / "x.pt", nn.Linear(2, 2), epoch=True), TypeError, ["epoch=True"]),
+    (lambda d: minidp.load_checkpoint("/nonexistent/x.pt", nn.Linear(2, 2)), FileNotFoundError,
+     ["/nonexistent/x.pt"]),
+], ids=["path", "model", "step_negative", "step_float", "epoch_bool", "missing"])
+def test_bad_input_is_named(tmp_path, call, error, words):
+    with pytest.raises(error) as info:
+        call(tmp_path)
+    assert type(info.value) is error, f"{type(info.value).__name__}: {info.value}"  # not a subclass
+    assert all(word in str(info.value) for word in words), str(info.value)
+    assert not (tmp_path / "x.pt").exists()  # refused before anything is written
+
+
 # ---- kill at a random step, resume, compare with an uninterrupted run ---------------------------
 
 SAMPLES, BATCH, EPOCHS = 40, 4, 2  # 5 steps per rank per epoch at world size 2

@@ -6,7 +6,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
-from harness import run_ranks
+from harness import error_of, run_ranks
 from models import MLP, build
 
 # ---- bucket layout, as seen by a comm hook, equals torch DDP's ---------------------------------
@@ -56,14 +56,6 @@ def _overlap_worker():
 
 # ---- errors on every rank, within the timeout ---------------------------------------------------
 
-def _error_of(fn):
-    try:
-        fn()
-    except (RuntimeError, ValueError, TypeError) as exc:
-        return type(exc).__name__, str(exc)
-    return None
-
-
 def _unused_without_flag():
     model = minidp.DDP(build("unused"))  # `rare` and `never` get no gradient
     model(torch.randn(4, 8)).sum().backward()
@@ -72,14 +64,14 @@ def _unused_without_flag():
 def _error_worker():
     rank = dist.get_rank()
     errors = {
-        "mismatch": _error_of(lambda: minidp.DDP(MLP(width=32 if rank == 0 else 31))),
-        "unused": _error_of(_unused_without_flag),
-        "bucket_cap_zero": _error_of(lambda: minidp.DDP(build("mlp"), bucket_cap_mb=0)),
-        "bucket_cap_negative": _error_of(lambda: minidp.DDP(build("mlp"), bucket_cap_mb=-5)),
-        "no_trainable": _error_of(lambda: minidp.DDP(build("mlp").requires_grad_(False))),
-        "device_ids_on_cpu": _error_of(lambda: minidp.DDP(build("mlp"), device_ids=[0])),
-        "not_a_module": _error_of(lambda: minidp.DDP(lambda x: x)),
-        "unsupported_kwarg": _error_of(lambda: minidp.DDP(build("mlp"), mixed_precision="bf16")),
+        "mismatch": error_of(lambda: minidp.DDP(MLP(width=32 if rank == 0 else 31))),
+        "unused": error_of(_unused_without_flag),
+        "bucket_cap_zero": error_of(lambda: minidp.DDP(build("mlp"), bucket_cap_mb=0)),
+        "bucket_cap_negative": error_of(lambda: minidp.DDP(build("mlp"), bucket_cap_mb=-5)),
+        "no_trainable": error_of(lambda: minidp.DDP(build("mlp").requires_grad_(False))),
+        "device_ids_on_cpu": error_of(lambda: minidp.DDP(build("mlp"), device_ids=[0])),
+        "not_a_module": error_of(lambda: minidp.DDP(lambda x: x)),
+        "unsupported_kwarg": error_of(lambda: minidp.DDP(build("mlp"), mixed_precision="bf16")),
     }
     # After all those errors the group still works: a clean model trains (nothing left half-done).
     ok = minidp.DDP(build("mlp"))
@@ -166,6 +158,34 @@ def test_errors_on_every_rank(two_ranks, case, error, words):
         assert got[0] == error, got
         for word in words:
             assert word in got[1], (rank, got)
+
+
+# Constructor checks that need no process group: they raise before any collective, in this process.
+NO_GROUP_CASES = [
+    ("bucket_cap_mb_str", dict(bucket_cap_mb="25"), TypeError, ["bucket_cap_mb='25' must be a number"]),
+    ("bucket_cap_mb_nan", dict(bucket_cap_mb=float("nan")), ValueError, ["bucket_cap_mb=nan must not be NaN"]),
+    ("bucket_cap_mb_bool", dict(bucket_cap_mb=True), TypeError, ["bucket_cap_mb=True"]),
+    ("flag_str", dict(find_unused_parameters="yes"), TypeError, ["find_unused_parameters='yes'", "True or False"]),
+    ("flag_int", dict(broadcast_buffers=1), TypeError, ["broadcast_buffers=1"]),
+    ("flag_none", dict(static_graph=None), TypeError, ["static_graph=None"]),
+    ("debug_str", dict(debug="1"), TypeError, ["debug='1'"]),
+    ("process_group_str", dict(process_group="world"), TypeError, ["process_group='world'"]),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, words", [c[1:] for c in NO_GROUP_CASES], ids=[c[0] for c in NO_GROUP_CASES])
+def test_bad_constructor_argument_is_named(kwargs, error, words):
+    assert not dist.is_initialized()  # so these fail in the argument checks, not on a missing group
+    with pytest.raises(error) as info:
+        minidp.DDP(torch.nn.Linear(2, 2), **kwargs)
+    assert type(info.value) is error, f"{type(info.value).__name__}: {info.value}"  # not a subclass
+    assert all(word in str(info.value) for word in words), str(info.value)
+
+
+def test_comm_hook_must_be_callable():
+    ddp = minidp.DDP.__new__(minidp.DDP)  # the check comes before any state is used
+    with pytest.raises(TypeError, match="hook=42"):
+        minidp.DDP.register_comm_hook(ddp, None, 42)
 
 
 def test_dropin_state_dict_keys_kwargs_and_subgroup():

@@ -76,10 +76,27 @@ def test_timeout_forms():
     assert _as_timedelta(None, "nccl") == constants.default_pg_nccl_timeout  # torch's for NCCL, 10 min
     assert constants.default_pg_nccl_timeout != constants.default_pg_timeout
     assert _as_timedelta(12.5) == datetime.timedelta(seconds=12.5)
-    with pytest.raises(ValueError, match="timeout=.*positive"):
-        _as_timedelta(0)
-    with pytest.raises(TypeError, match="timeout='10'"):
-        _as_timedelta("10")
+    assert _as_timedelta(datetime.timedelta(minutes=2)) == datetime.timedelta(minutes=2)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: _as_timedelta(0), ValueError, r"timeout=0 must be > 0"),
+    (lambda: _as_timedelta(float("nan")), ValueError, r"timeout=nan must not be NaN"),
+    (lambda: _as_timedelta(datetime.timedelta(seconds=-1)), ValueError, r"timeout=.*must be positive"),
+    (lambda: _as_timedelta("10"), TypeError, r"timeout='10' must be seconds \(a number\) or a datetime.timedelta"),
+    (lambda: _as_timedelta(True), TypeError, r"timeout=True"),
+    (lambda: resolve_env({}, rank=1.5, world_size=2), TypeError, r"rank=1.5 must be an int"),
+    (lambda: resolve_env({}, world_size="2"), TypeError, r"world_size='2' must be an int"),
+    (lambda: resolve_env({}, local_rank=True), TypeError, r"local_rank=True must be an int"),
+    (lambda: resolve_env({}, nodes=2), TypeError, r"unknown keyword\(s\) \['nodes'\]"),
+    # init() checks the same things before it touches any process group
+    (lambda: minidp.init(rank=1.5, world_size=2), TypeError, r"rank=1.5 must be an int"),
+    (lambda: minidp.init(timeout=-3), ValueError, r"timeout=-3 must be > 0"),
+])
+def test_bad_arguments_raise_naming_the_value(call, error, match):
+    with pytest.raises(error, match=match) as info:
+        call()
+    assert type(info.value) is error  # not a subclass
 
 
 # ---- backend: backend= wins, then MINIDP_BACKEND, then NCCL with CUDA, else gloo --------------------

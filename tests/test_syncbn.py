@@ -260,12 +260,19 @@ def test_bad_input():
         convert_sync_batchnorm(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="expects an nn.Module, got list"):
         convert_sync_batchnorm([nn.BatchNorm1d(2)])
-    with pytest.raises(ValueError, match=r"eps=0.0 must be > 0"):
-        SyncBatchNorm(3, eps=0.0)
-    with pytest.raises(ValueError, match=r"momentum=1.5 must be in \[0, 1\], or None"):
-        SyncBatchNorm(3, momentum=1.5)
-    with pytest.raises(ValueError, match=r"num_features=0 must be an int >= 1"):
-        SyncBatchNorm(0)
+    for kwargs, error, match in [
+        (dict(num_features=0), ValueError, r"num_features=0 must be >= 1"),
+        (dict(num_features=3.0), TypeError, r"num_features=3.0 must be an int"),
+        (dict(num_features=3, eps=0.0), ValueError, r"eps=0.0 must be > 0"),
+        (dict(num_features=3, eps="1e-5"), TypeError, r"eps='1e-5' must be a number"),
+        (dict(num_features=3, eps=float("nan")), ValueError, r"eps=nan must not be NaN"),
+        (dict(num_features=3, momentum=1.5), ValueError, r"momentum=1.5 must be <= 1"),
+        (dict(num_features=3, momentum=-0.1), ValueError, r"momentum=-0.1 must be >= 0"),
+        (dict(num_features=3, momentum="0.1"), TypeError, r"momentum='0.1' must be a number"),
+    ]:
+        with pytest.raises(error, match=match):
+            SyncBatchNorm(**kwargs)
+    assert SyncBatchNorm(3, momentum=None).momentum is None  # a cumulative average, as torch allows
     with pytest.raises(ValueError, match=r"at least 2 dims \(N, C, ...\), got shape \(3,\)"):
         SyncBatchNorm(3)(torch.randn(3))
     with pytest.raises(ValueError, match="got input with 4 channels"):

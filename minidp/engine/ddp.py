@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.utils.rnn import PackedSequence
 
-from ..validate import check_bool
+from ..validate import check_bool, check_number
 from . import debug as debug_mode
 from .collectives import broadcast_coalesced, check_same_across_ranks
 from .hooks import check_comm_hook
@@ -58,13 +58,9 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
                  static_graph: bool = False, debug: bool | None = None, **unsupported):
         super().__init__()
         JoinableDDP.__init__(self)
-        _check_arguments(module, bucket_cap_mb, unsupported)
-        for name, flag in dict(broadcast_buffers=broadcast_buffers, init_sync=init_sync, static_graph=static_graph,
-                               find_unused_parameters=find_unused_parameters,
-                               gradient_as_bucket_view=gradient_as_bucket_view).items():
-            check_bool(name, flag)
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(f"process_group={process_group!r} must be a torch.distributed.ProcessGroup or None")
+        flags = dict(broadcast_buffers=broadcast_buffers, init_sync=init_sync, static_graph=static_graph, debug=debug,
+                     find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view)
+        _check_arguments(module, bucket_cap_mb, process_group, flags, unsupported)
         self.input_device = _check_devices(module, device_ids)  # where forward moves inputs (None: nowhere)
         self.device_ids = None if self.input_device is None else [self.input_device.index]  # as DDP's
         if not dist.is_initialized():
@@ -78,7 +74,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # whether the next forward broadcasts buffers
         self.divide_by_initial_world_size = True  # set by join_hook(), under join()
-        self.debug = debug_mode.debug_from_env() if debug is None else bool(debug)
+        self.debug = debug_mode.debug_from_env() if debug is None else debug
         self.has_buffers = any(True for _ in module.buffers())  # else skip the walk on every forward
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._verify_across_ranks(named, bucket_cap_mb)
@@ -229,12 +225,17 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
 DDP = DistributedDataParallel
 
 
-def _check_arguments(module, bucket_cap_mb, unsupported) -> None:
+def _check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupported: dict) -> None:
+    """The constructor's checks that need no process group (they raise before any collective)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module={type(module).__name__} must be a torch.nn.Module")
-    if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
-                                      or bucket_cap_mb <= 0):
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a positive number of MiB (or None)")
+    for name, flag in flags.items():
+        if not (name == "debug" and flag is None):  # debug=None: read MINIDP_DEBUG
+            check_bool(name, flag)
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group={process_group!r} must be a torch.distributed.ProcessGroup or None")
+    if bucket_cap_mb is not None:  # MiB; None: DDP's default (25, first bucket 1)
+        check_number("bucket_cap_mb", bucket_cap_mb, positive=True)
     for name, value in unsupported.items():
         if value not in (None, False):
             raise ValueError(f"minidp.DDP does not support {name}={value!r}")
