@@ -164,8 +164,6 @@ class Reducer:
         if self.timeline is not None:
             self.timeline.record("failed_iteration_closed")
 
-    raise_if_failed = prepare_for_forward  # the name ddp.py at HEAD calls (engine-B switches to the new one)
-
     def prepare_for_backward(self, divisor_work=None) -> None:
         """Arm the hooks for the next backward (called after a forward that syncs).
 
