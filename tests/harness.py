@@ -4,20 +4,51 @@ Built on minidp.launch, so a failing rank re-raises here as WorkerFailed with it
 run ends with TimeoutError, and no worker outlives the test. Also the small helpers several test
 files share: error_of() (an error as a value, so one process can try many cases), and write_pid() /
 assert_dead() (no process outlives a failure).
+
+Workers are forked from the pytest process where that is safe (see worker_start_method): a spawned
+worker spends ~4 s of CPU importing torch, and ~3 s more in its first torch DDP constructor (which
+imports torch._dynamo); a forked one inherits both, so a 2-rank run starts in a fraction of a second
+instead of ~6 s on this 2-core machine. MINIDP_TEST_SPAWN=1 spawns them anyway (to tell whether a
+failure has to do with forking).
 """
 from __future__ import annotations
 
+import importlib
 import os
+import random
+import sys
 import tempfile
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import minidp
 
+_launch_module = importlib.import_module("minidp.launch")  # the module (minidp.launch is the function)
 
-def _entry(local_rank, fn, args, out_dir, init_kwargs):
+
+def worker_start_method() -> str:
+    """"fork" on a CPU-only machine with no process group in this process; else "spawn".
+
+    Why not always fork: a process that has touched CUDA cannot fork workers that use it (and on a
+    CUDA machine tests/conftest.py hides the GPUs from CPU tests' children through an environment
+    variable that a forked child, its CUDA state inherited, would not read), and a process group
+    initialised in this process would be inherited by every worker.
+    """
+    if os.environ.get("MINIDP_TEST_SPAWN") or torch.cuda.is_available() or dist.is_initialized():
+        return "spawn"
+    return "fork"
+
+
+def _entry(local_rank, fn, args, out_dir, init_kwargs, forked):
     torch.set_num_threads(1)  # 2 cores on this machine: one thread per rank
+    if forked:  # draw as a fresh process would: every rank its own unseeded state, not the parent's copy
+        torch.seed()
+        random.seed()
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
     if init_kwargs is not None:
         minidp.init(**init_kwargs)
     # No try/finally around shutdown: on an error, shutting down first would break the peers'
@@ -33,8 +64,14 @@ def run_ranks(fn, world_size, *args, timeout=120.0, init=True, collective_timeou
     `fn` must be a module-level function. With init=False, fn runs without a process group.
     """
     init_kwargs = {"timeout": collective_timeout} if init else None
+    method = worker_start_method()
+    if method == "fork":
+        importlib.import_module("torch._dynamo")  # torch DDP's constructor imports it: once here, not per worker
     with tempfile.TemporaryDirectory(prefix="minidp-test-") as out_dir:
-        minidp.launch(_entry, world_size, args=(fn, args, out_dir, init_kwargs), timeout=timeout)
+        # minidp.launch picks spawn for a pytest run (its __main__ is a file); the harness picks here.
+        with mock.patch.object(_launch_module, "start_method", lambda _fn: method):
+            minidp.launch(_entry, world_size, args=(fn, args, out_dir, init_kwargs, method == "fork"),
+                          timeout=timeout)
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
