@@ -57,3 +57,32 @@ def _draw_rank(ax, events, t0, n_buckets, color) -> None:
                   fontsize=8)
     ax.set_ylim(1.6 + n_buckets, -0.6)  # first lane on top
     ax.grid(axis="x", alpha=0.3)
+
+
+def plot_scaling(path: str, rows: list, title: str = "") -> None:
+    """Predicted step time (left) and hidden share / scaling efficiency (right) against ranks (log scale)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = [r["world_size"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    left.plot(ranks, [1e3 * r["step_s"] for r in rows], marker="o", label="step")
+    left.plot(ranks, [1e3 * r["compute_s"] for r in rows], linestyle="--", color="gray", label="compute alone")
+    left.set_ylabel("ms per step")
+    left.set_ylim(bottom=0)
+    right.plot(ranks, [100 * r["efficiency"] for r in rows], marker="o", label="scaling efficiency")
+    right.plot(ranks, [None if r["hidden"] is None else 100 * r["hidden"] for r in rows], marker="s",
+               label="communication hidden")
+    right.set_ylabel("%")
+    right.set_ylim(0, 105)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("ranks")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,9 @@
+"""`python -m minidp.simulate`: one data-parallel step at 2 ... 1,024 ranks (see minidp/study/simulate.py)."""
+import sys
+
+from minidp.study.simulate import Profile, main, scaling, simulate_step
+
+__all__ = ["Profile", "main", "scaling", "simulate_step"]
+
+if __name__ == "__main__":
+    sys.exit(main())

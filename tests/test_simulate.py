@@ -1,0 +1,134 @@
+"""minidp.simulate: the alpha-beta costs, the fit, DDP's bucket cut, the step model, a recorded timeline, the CLI."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import minidp
+from minidp.engine import planning
+from minidp.study.network import Link, Network, allreduce_time, fit_ring, measure_allreduce
+from minidp.study.simulate import MIB, Profile, best_cap, plan_buckets, scaling, simulate_step
+from models import MLP
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST, SLOW = Link(1e-5, 1e10), Link(1e-4, 1e9)
+
+
+def test_allreduce_costs():
+    one_node = Network(FAST, SLOW, ranks_per_node=8)
+    s = 8 * MIB
+    assert allreduce_time(s, 1, one_node) == 0.0
+    assert allreduce_time(s, 2, one_node) == pytest.approx(2 * 1e-5 + s / 1e10)  # 2(n-1)a + 2(n-1)/n S b
+    assert allreduce_time(s, 8, one_node) == pytest.approx(14 * 1e-5 + 2 * 7 / 8 * s / 1e10)
+    assert allreduce_time(s, 16, one_node) == pytest.approx(30 * 1e-4 + 2 * 15 / 16 * s / 1e9)  # slowest link
+    tree = Network(FAST, SLOW, ranks_per_node=8, algorithm="tree")
+    assert allreduce_time(s, 64, tree) == pytest.approx(2 * (3 * (1e-5 + s / 1e10) + 3 * (1e-4 + s / 1e9)))
+    small = 1024  # latency-bound: the tree's log2(n) beats the ring's n at scale
+    assert allreduce_time(small, 1024, tree) < allreduce_time(small, 1024, Network(FAST, SLOW, 8))
+    with pytest.raises(ValueError, match="algorithm='mesh'"):
+        Network(FAST, SLOW, algorithm="mesh")
+    with pytest.raises(ValueError, match="bandwidth=0"):
+        Link(1e-5, 0)
+
+
+def test_fit_recovers_the_link():
+    truth = Network(Link(3e-4, 2e9), Link(3e-4, 2e9), ranks_per_node=4)
+    sweep = {s: allreduce_time(s, 4, truth) for s in (1024, 65536, 4 * MIB, 64 * MIB)}
+    fitted = fit_ring(sweep, 4)
+    assert fitted.latency_s == pytest.approx(3e-4) and fitted.bandwidth == pytest.approx(2e9)
+
+
+def _profile(sizes, ready, backward=0.1):
+    return Profile(forward_s=0.05, names=[f"p{i}" for i in range(len(sizes))], ready_s=ready, nbytes=sizes,
+                   backward_s=backward, finalize_s=0.002, optimizer_s=0.01)
+
+
+@pytest.mark.parametrize("cap", [None, 1, 0.3, 25, 100])
+def test_bucket_cut_is_minidps(cap):
+    gen = torch.Generator().manual_seed(0)
+    sizes = [int(s) * 4 for s in torch.randint(1, 600_000, (40,), generator=gen)]
+    order = torch.randperm(40, generator=gen).tolist()
+    profile = _profile([sizes[i] for i in order], [0.001 * k for k in range(40)])
+    limits = planning.bucket_limits(cap, False, False)
+    expected = planning.assign_buckets(sizes, ["f32"] * 40, limits, order)
+    assert [b for b, _ in plan_buckets(profile, cap)] == [sum(sizes[i] for i in bucket) for bucket in expected]
+
+
+def test_step_model_by_hand():
+    # Two 10 MB buckets ready at 40 ms and 100 ms; each all-reduce takes 2a + S/B = 20 ms at 2 ranks.
+    link = Link(0.0, 10e6 / 0.02)
+    profile = _profile([10_000_000, 10_000_000], [0.04, 0.1])
+    over = simulate_step(profile, Network(link, link), 2, bucket_cap_mb=9)
+    # bucket 0: 40-60 ms, bucket 1: 100-120 ms; backward ends at 100 ms, so 20 ms are exposed.
+    assert over["step_s"] == pytest.approx(0.05 + 0.12 + 0.002 + 0.01)
+    assert over["comm_s"] == pytest.approx(0.04) and over["hidden"] == pytest.approx(0.5)
+    assert over["efficiency"] == pytest.approx(profile.compute_s / over["step_s"])
+    shared = simulate_step(profile, Network(link, link, shared_cores=True), 2, bucket_cap_mb=9)
+    assert shared["step_s"] == pytest.approx(profile.compute_s + 0.04) and shared["hidden"] == pytest.approx(0.0)
+    assert simulate_step(profile, Network(link, link), 1)["step_s"] == pytest.approx(profile.compute_s)
+    half = simulate_step(profile, Network(link, link, shared_cores=True), 2, 9, compression=0.5)
+    assert half["comm_s"] == pytest.approx(0.02)
+    rows = scaling(profile, Network(link, link, ranks_per_node=4))
+    assert [r["world_size"] for r in rows] == [2 ** k for k in range(11)]
+    assert all(a["step_s"] <= b["step_s"] for a, b in zip(rows, rows[1:]))  # slower links past one node
+    assert best_cap(profile, Network(link, link), 2, [9, 100])[0] == 9  # overlap beats one late bucket
+
+
+def _record_one_step():
+    """A real timeline of one step (world size 1, in this process) and the parameters' sizes."""
+    minidp.init(rank=0, world_size=1, backend="gloo")
+    try:
+        torch.manual_seed(0)
+        model = minidp.DDP(MLP(width=256), bucket_cap_mb=0.05)
+        for _ in range(2):  # the second step uses the rebuilt buckets
+            timeline = model.enable_timeline()
+            timeline.record("forward_start")
+            loss = model(torch.randn(16, 8)).pow(2).mean()
+            timeline.record("backward_start")
+            loss.backward()
+            timeline.record("step_end")
+        sizes = {n: p.numel() * p.element_size() for n, p in model.module.named_parameters()}
+        return timeline.snapshot(), sizes
+    finally:
+        minidp.shutdown()
+
+
+def test_recorded_timeline_and_command_line(tmp_path):
+    events, sizes = _record_one_step()
+    profile = Profile.from_events(events, sizes)
+    assert profile.names[0] == "net.4.bias" and sorted(profile.names) == sorted(sizes)  # last layer first
+    assert profile.ready_s == sorted(profile.ready_s) and 0 < profile.ready_s[-1] <= profile.backward_s
+    path = tmp_path / "events.json"
+    path.write_text(json.dumps({"params": [[n, 0, b] for n, b in sizes.items()], "events": {"0": events}}))
+    proc = subprocess.run([sys.executable, "-m", "minidp.simulate", "--events", str(path), "--json",
+                           "--plot", str(tmp_path / "s.png"), "--caps", "0.05,1"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert [r["world_size"] for r in out["rows"]] == [2 ** k for k in range(1, 11)]
+    assert all(0 < r["efficiency"] <= 1 and 0 <= r["hidden"] <= 1 for r in out["rows"])
+    assert set(out["caps"]["1024"]["steps"]) == {"0.05", "1.0"}
+    assert os.path.getsize(tmp_path / "s.png") > 10_000
+    with pytest.raises(ValueError, match="no \\['backward_start'"):
+        Profile.from_events([e for e in events if e[0] != "backward_start"], sizes)
+
+
+def test_command_line_errors(capsys):
+    from minidp.study.simulate import main
+    for argv, message in ((["--world-sizes", "2,0"], "--world-sizes=0 must be >= 1"),
+                          ([], "give --events FILE"),
+                          (["--events", "/no/such/file.json"], "No such file")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_measured_sweep_fits_a_link():
+    sweep = measure_allreduce(2, sizes=(4096, 1 << 20, 4 << 20), repeats=3)
+    link = fit_ring(sweep, 2)
+    assert set(sweep) == {4096, 1 << 20, 4 << 20} and all(t > 0 for t in sweep.values())
+    assert link.latency_s >= 0 and math.isfinite(link.bandwidth) and link.bandwidth > 0
