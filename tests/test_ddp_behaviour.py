@@ -210,6 +210,7 @@ def test_dropin_state_dict_keys_kwargs_and_subgroup():
 
 
 def _nccl_worker():
+    minidp.init(backend="nccl", timeout=60)  # the suite sets MINIDP_BACKEND=gloo: ask for NCCL by name
     device = torch.device("cuda", torch.cuda.current_device())
     results = []
     for engine in (minidp.DDP, TorchDDP):
@@ -226,5 +227,5 @@ def _nccl_worker():
 
 @pytest.mark.gpu
 def test_nccl_on_one_gpu_equals_torch_ddp():
-    backend, equal = run_ranks(_nccl_worker, 1)[0]
+    backend, equal = run_ranks(_nccl_worker, 1, init=False)[0]
     assert backend == "nccl" and equal

@@ -313,6 +313,7 @@ def test_join_buffers_bitwise_as_torch_ddp_without_host_syncs():
 
 
 def _join_no_sync_on_gpu_worker():
+    minidp.init(backend="nccl", timeout=60)  # the suite sets MINIDP_BACKEND=gloo: ask for NCCL by name
     device = torch.device("cuda", torch.cuda.current_device())
     model = minidp.DDP(build("cnn_bn").to(device), device_ids=[device.index])
     xs = [torch.randn(4, 3, 4, 4, device=device) for _ in range(4)]  # already on the device: no copy
@@ -331,4 +332,4 @@ def _join_no_sync_on_gpu_worker():
 
 @pytest.mark.gpu
 def test_join_forward_makes_no_host_sync_on_gpu():
-    assert run_ranks(_join_no_sync_on_gpu_worker, 1) == [True]
+    assert run_ranks(_join_no_sync_on_gpu_worker, 1, init=False) == [True]

@@ -138,6 +138,7 @@ class _TakesEverything(nn.Module):
 
 
 def _gpu_worker():
+    minidp.init(backend="nccl", timeout=60)  # the suite sets MINIDP_BACKEND=gloo: ask for NCCL by name
     device = torch.device("cuda", torch.cuda.current_device())
     out = {}
     for label, engine in (("minidp", minidp.DDP), ("torch", TorchDDP)):
@@ -160,6 +161,6 @@ def _gpu_worker():
 
 @pytest.mark.gpu
 def test_gpu_inputs_moved_and_results_equal_torch_ddp():
-    out = run_ranks(_gpu_worker, 1)[0]
+    out = run_ranks(_gpu_worker, 1, init=False)[0]
     assert all(torch.equal(a, b) for a, b in zip(out["minidp"], out["torch"]))
     assert out["wrong_device"] is not None and "not on cuda:" in out["wrong_device"]

@@ -33,7 +33,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group=None, src: int = 
     """
     is_src = dist.get_rank(group) == src
     src = global_rank(group, src)
-    for chunk in _chunks(tensors, chunk_bytes):
+    for chunk in flat_chunks(tensors, chunk_bytes):
         flat = torch.cat([t.detach().reshape(-1) for t in chunk])
         dist.broadcast(flat, src=src, group=group)  # ranks meet here
         if is_src:
@@ -43,7 +43,12 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group=None, src: int = 
                 t.copy_(piece.view_as(t))
 
 
-def _chunks(tensors, chunk_bytes):
+def flat_chunks(tensors: Sequence[torch.Tensor], chunk_bytes: int = BROADCAST_CHUNK_BYTES):
+    """Yield lists of tensors that can be packed into one flat buffer: same dtype and device, <= chunk_bytes.
+
+    Tensors keep their order within a (dtype, device) group; a tensor larger than chunk_bytes gets
+    a chunk of its own. Used by broadcast_coalesced and join's broadcast_from_last_trainer.
+    """
     groups: dict = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)

@@ -127,7 +127,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
                         f"gradient_as_bucket_view={self.gradient_as_bucket_view}"))
         # Ranks meet here. A differing setting (e.g. bucket_cap_mb) would give different buckets
         # from iteration 2 on, and sums of unrelated gradients: refuse before iteration 1.
-        check_same_across_ranks("parameter/buffer/setting", records, self.process_group)
+        device = next((p.device for _, p in named), None)  # under NCCL the check runs on the module's GPU
+        check_same_across_ranks("parameter/buffer/setting", records, self.process_group, device=device)
 
     def forward(self, *inputs, **kwargs):
         """Three steps: the collectives before the module, the module, then arm the reducer for backward."""

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..validate import check_bool
-from .collectives import BROADCAST_CHUNK_BYTES, _chunks, broadcast_coalesced  # _chunks: as broadcast_coalesced packs
+from .collectives import broadcast_coalesced, flat_chunks
 
 
 def find_common_rank(group, device, candidate: bool) -> int:
@@ -45,7 +45,7 @@ def broadcast_from_last_trainer(tensors: list, group, device, training: bool) ->
     pick = torch.full((1,), rank if training else -1, device=device)
     dist.all_reduce(pick, op=dist.ReduceOp.MAX, group=group)  # ranks meet here: who is the source?
     is_source = pick == rank  # stays on the device
-    for chunk in _chunks(tensors, BROADCAST_CHUNK_BYTES):
+    for chunk in flat_chunks(tensors):  # packed as broadcast_coalesced packs
         flat = torch.cat([t.detach().reshape(-1) for t in chunk])
         summable = flat.to(torch.uint8) if flat.dtype == torch.bool else flat  # sums of bools: as bytes
         neutral = -0.0 if summable.is_floating_point() else 0
