@@ -50,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in FULL:
         p.add_argument("--" + name.replace("_", "-"), type=int, help=f"default {FULL[name]} ({QUICK[name]} quick)")
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded as the command (main(argv) too)
     for name in FULL:
         if getattr(args, name) is None:
             setattr(args, name, (QUICK if args.quick else FULL)[name])
@@ -107,7 +108,8 @@ def plan_timing(args, world_size: int) -> list[dict]:
 
 
 def plan_memory(args) -> list[dict]:
-    """One launch per (workload, gbv, engine, repeat) at the largest world size; quick: first workload only.
+    """One launch per (workload, gbv, engine, repeat) at the largest world size; quick: first workload only
+    (at the smallest world size, see run_all).
 
     Repeats, with the engine order flipped each time, because a process's peak RSS varies by tens of
     MiB from run to run (the allocator); the report takes the median.
@@ -137,7 +139,7 @@ def machine(args) -> dict:
             "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
             "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__, "device": args.device,
             "backend": args.backend, "world_sizes": args.world_sizes, "threads": args.threads,
-            "command": ("python benchmarks/compare_ddp.py " + shlex.join(sys.argv[1:])).strip(),
+            "command": ("python benchmarks/compare_ddp.py " + shlex.join(args.argv)).strip(),
             **{k: getattr(args, k) for k in FULL}}
 
 
@@ -161,7 +163,8 @@ def run_all(args) -> tuple[list[dict], list[dict]]:
         jobs = plan_timing(args, world_size)
         print(f"world size {world_size}: {len(jobs)} timing jobs", flush=True)
         timing += worker.run_jobs(jobs, world_size, args.backend, args.device, args.threads)
-    memory_world = max(args.world_sizes)
+    # Quick: the smallest world size, so the smoke run starts one process per engine, not one per rank.
+    memory_world = min(args.world_sizes) if args.quick else max(args.world_sizes)
     for one in plan_memory(args):
         memory += worker.run_jobs([one], memory_world, args.backend, args.device, args.threads)
     for result in timing:

@@ -5,7 +5,8 @@ Three shapes that stress different parts of a data-parallel engine:
   * ``resnet18``: torchvision's ResNet-18 on 32x32 images, where convolutions dominate;
   * ``deep300``: 300 small residual Linear layers (600 parameter tensors, ~1.2M parameters), where
     whatever an engine spends per parameter (hooks, copies, bookkeeping) shows.
-``quick=True`` shrinks each one so that a smoke run takes seconds; the names stay the same.
+``quick=True`` shrinks each one so that a smoke run takes seconds; the names stay the same (quick
+``resnet18`` keeps ResNet-18's layers, 62 parameter tensors and BatchNorm buffers, at base width 8).
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ class Workload:
             return MLP(*((64, 128, 2, 10) if self.quick else (1024, 2048, 5, 1000)))
         if self.name == "resnet18":
             import torchvision  # imported here: only this workload needs it
-            return torchvision.models.resnet18(num_classes=self.classes)
+            model = torchvision.models.resnet18(num_classes=self.classes)
+            return narrow_resnet(model, width=8) if self.quick else model
         if self.name == "deep300":
             return DeepNarrow(*((16, 30, 10) if self.quick else (64, 300, 10)))
         raise ValueError(f"workload={self.name!r} must be one of {NAMES}")
@@ -76,6 +78,22 @@ class Workload:
         x = torch.randn(self.batch, *self.input_shape, generator=gen)
         y = torch.randint(0, self.classes, (self.batch,), generator=gen)
         return x.to(device), y.to(device)
+
+
+def narrow_resnet(model: nn.Module, width: int) -> nn.Module:
+    """torchvision's ResNet-18 rebuilt at base `width` (64 is the standard net): the same layers, smaller.
+
+    torchvision hard-codes the widths 64..512, so the stem and the four stages are rebuilt with its own
+    blocks (the quick smoke run's 11M parameters cost seconds per step on 2 cores).
+    """
+    from torchvision.models.resnet import BasicBlock
+
+    model.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
+    model.bn1, model.inplanes = nn.BatchNorm2d(width), width
+    for i, mult in enumerate((1, 2, 4, 8), start=1):
+        setattr(model, f"layer{i}", model._make_layer(BasicBlock, width * mult, 2, stride=1 if i == 1 else 2))
+    model.fc = nn.Linear(8 * width, model.fc.out_features)
+    return model
 
 
 def get(name: str, quick: bool = False) -> Workload:

@@ -13,6 +13,7 @@ failure has to do with forking).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import random
@@ -42,6 +43,20 @@ def worker_start_method() -> str:
     return "fork"
 
 
+@contextlib.contextmanager
+def workers_forked():
+    """Inside the block, minidp.launch forks its workers where worker_start_method() allows.
+
+    minidp.launch itself picks spawn under pytest (its __main__ is a file): the choice is made here.
+    Yields the start method used.
+    """
+    method = worker_start_method()
+    if method == "fork":
+        importlib.import_module("torch._dynamo")  # torch DDP's constructor imports it: once here, not per worker
+    with mock.patch.object(_launch_module, "start_method", lambda _fn: method):
+        yield method
+
+
 def _entry(local_rank, fn, args, out_dir, init_kwargs, forked):
     torch.set_num_threads(1)  # 2 cores on this machine: one thread per rank
     if forked:  # draw as a fresh process would: every rank its own unseeded state, not the parent's copy
@@ -64,14 +79,8 @@ def run_ranks(fn, world_size, *args, timeout=120.0, init=True, collective_timeou
     `fn` must be a module-level function. With init=False, fn runs without a process group.
     """
     init_kwargs = {"timeout": collective_timeout} if init else None
-    method = worker_start_method()
-    if method == "fork":
-        importlib.import_module("torch._dynamo")  # torch DDP's constructor imports it: once here, not per worker
-    with tempfile.TemporaryDirectory(prefix="minidp-test-") as out_dir:
-        # minidp.launch picks spawn for a pytest run (its __main__ is a file); the harness picks here.
-        with mock.patch.object(_launch_module, "start_method", lambda _fn: method):
-            minidp.launch(_entry, world_size, args=(fn, args, out_dir, init_kwargs, method == "fork"),
-                          timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="minidp-test-") as out_dir, workers_forked() as method:
+        minidp.launch(_entry, world_size, args=(fn, args, out_dir, init_kwargs, method == "fork"), timeout=timeout)
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 
 

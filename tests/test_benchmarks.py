@@ -1,8 +1,13 @@
 """Smoke tests of the benchmark scripts (--quick, into a tmp dir) and of the timeline exporters.
 
 No timing assertions: only that the outputs exist and hold sane numbers (speed lives in
-benchmarks/RESULTS.md).
+benchmarks/RESULTS.md). timeline.py runs as a real command (its workers spawned, as in every
+benchmark run); compare_ddp.py --quick runs meanwhile through its main() in this process, with its
+workers forked from it (tests/harness.py): the same jobs and report, without paying ~7 s of CPU per
+worker for importing torch and torch._dynamo again on this 2-core machine.
 """
+import contextlib
+import io
 import json
 import math
 import os
@@ -12,13 +17,16 @@ import sys
 import pytest
 import torch
 
+from harness import workers_forked
 from minidp.engine.timeline import Timeline, bucket_spans, trace_events, write_chrome_trace
 
-ROOT_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-sys.path.insert(0, ROOT_BENCH)
-from plot_timeline import plot_timelines  # noqa: E402 - benchmarks/ holds the drawing
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
+import compare_ddp  # noqa: E402 - benchmarks/ is not a package
+from plot_timeline import plot_timelines  # noqa: E402 - benchmarks/ holds the drawing
+from processes import Command  # noqa: E402
+
 WORKLOADS = ("mlp", "resnet18", "deep300")
 PNG_MAGIC = b"\x89PNG"
 
@@ -31,16 +39,34 @@ def _run_script(name, *args, timeout=240):
     return proc.stdout
 
 
+def _compare_main(*argv):
+    """compare_ddp.main(argv) in this process, workers forked; returns what it printed."""
+    out = io.StringIO()
+    with workers_forked(), contextlib.redirect_stdout(out):
+        assert compare_ddp.main(list(argv)) == 0
+    return out.getvalue()
+
+
 def _is_positive(x):
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def timeline_started(tmp_path_factory):
+    """`python benchmarks/timeline.py --quick ...`, started in the background; yields (Command, stem)."""
+    out = tmp_path_factory.mktemp("timeline")
+    cmd = Command([sys.executable, os.path.join(ROOT, "benchmarks", "timeline.py"), "--quick", "--out", str(out),
+                   "--bucket-cap-mb", "0.01", "--steps", "3"], ROOT, timeout=240)
+    yield cmd, out / "results" / "timeline_mlp_cpu"
+    cmd.wait()  # kills its process tree if it still runs (a test failed before waiting for it)
 
 
 # ---- compare_ddp.py --quick ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def quick_compare(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compare")
-    stdout = _run_script("compare_ddp.py", "--quick", "--out", str(out))
+def quick_compare(tmp_path_factory, timeline_started):
+    out = tmp_path_factory.mktemp("compare")  # the timeline command runs meanwhile (the cores are shared)
+    stdout = _compare_main("--quick", "--out", str(out))
     with open(out / "results" / "compare_ddp_cpu.json") as f:
         return out, json.load(f), stdout
 
@@ -87,7 +113,7 @@ def test_compare_writes_markdown_and_plot(quick_compare):
 
 def test_compare_rewrites_report_from_json(quick_compare, tmp_path):
     out, data, _ = quick_compare
-    _run_script("compare_ddp.py", "--from-json", str(out / "results" / "compare_ddp_cpu.json"), "--out", str(tmp_path))
+    _compare_main("--from-json", str(out / "results" / "compare_ddp_cpu.json"), "--out", str(tmp_path))
     text = (tmp_path / "RESULTS.md").read_text()
     assert data["meta"]["command"] in text and "| deep300 | 2 |" in text
 
@@ -95,10 +121,10 @@ def test_compare_rewrites_report_from_json(quick_compare, tmp_path):
 # ---- timeline.py --quick ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def quick_timeline(tmp_path_factory):
-    out = tmp_path_factory.mktemp("timeline")
-    _run_script("timeline.py", "--quick", "--out", str(out), "--bucket-cap-mb", "0.01", "--steps", "3")
-    stem = out / "results" / "timeline_mlp_cpu"
+def quick_timeline(timeline_started):
+    cmd, stem = timeline_started
+    result = cmd.wait()
+    assert result.returncode == 0, result
     return stem
 
 
@@ -163,7 +189,6 @@ def test_trace_events_units_and_lanes(tmp_path):
 
 
 def test_results_section_replaced_in_place(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import report
 
     path = str(tmp_path / "RESULTS.md")

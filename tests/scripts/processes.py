@@ -50,13 +50,16 @@ class Command:
     def __init__(self, cmd: Union[str, Sequence[str]], cwd: str, env: Optional[Dict[str, str]] = None,
                  timeout: float = 180.0):
         self.cmd, self.timeout = cmd if isinstance(cmd, str) else list(cmd), timeout
-        self.log = tempfile.TemporaryFile(mode="w+")
+        self.log, self.result = tempfile.TemporaryFile(mode="w+"), None
         self.start = time.monotonic()
         self.proc = subprocess.Popen(cmd, shell=isinstance(cmd, str), cwd=cwd, env=env or clean_env(),
                                      stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True, executable="/bin/bash" if isinstance(cmd, str) else None)
 
     def wait(self) -> Result:
+        """The command's Result, once it has exited (or been killed at its timeout); the same on every call."""
+        if self.result is not None:
+            return self.result
         try:
             code = self.proc.wait(timeout=max(0.0, self.start + self.timeout - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -66,8 +69,9 @@ class Command:
         self.log.seek(0)
         output = self.log.read()
         self.log.close()
-        return Result(self.cmd, code if isinstance(code, int) else -9, output if isinstance(code, int)
-                      else f"{output}\n[test harness: {code}]", time.monotonic() - self.start)
+        self.result = Result(self.cmd, code if isinstance(code, int) else -9, output if isinstance(code, int)
+                             else f"{output}\n[test harness: {code}]", time.monotonic() - self.start)
+        return self.result
 
 
 def run_together(commands: Sequence[Command]) -> List[Result]:
