@@ -171,28 +171,35 @@ def _served(log_path, rank):
     return out
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    params = run_ranks(_resumable_training, 2, "full", str(folder / "c.pt"), str(folder / "log"), -1,
-                       timeout=120, collective_timeout=30)
-    return params[0], {r: _served(str(folder / "log"), r) for r in range(2)}
+# Where rank 1 is killed, one run after the other, each resuming from the last checkpoint: in the middle
+# of epoch 0; at the first step of epoch 1 (so the next run resumes from the checkpoint of epoch 0's last
+# step, whose sampler has nothing left); in the middle of epoch 1, in a run that crossed the epoch boundary
+# after a resume. (These replace three random kill steps, each in a fresh run: 8, 4 and 2.)
+KILLS = (3, 6, 9)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_kill_and_resume_is_bitwise_equal_and_serves_each_sample_once(tmp_path, uninterrupted, seed):
-    full_params, full_log = uninterrupted
-    kill_at = random.Random(seed).randint(2, EPOCHS * SAMPLES // (2 * BATCH) - 1)  # of 10 steps
-    ckpt, log = str(tmp_path / "c.pt"), str(tmp_path / "log")
-    with pytest.raises(minidp.WorkerFailed, match="SIGKILL"):
-        run_ranks(_resumable_training, 2, "killed", ckpt, log, kill_at, timeout=120, collective_timeout=30)
-    saved_step = torch.load(io.BytesIO(read_verified(ckpt)), weights_only=True)["step"]
-    assert saved_step == kill_at - 1  # the killed step's work is lost, nothing else
-    resumed = run_ranks(_resumable_training, 2, "resumed", ckpt, log, -1, timeout=120, collective_timeout=30)
-    assert all(torch.equal(a, b) for a, b in zip(resumed[0], full_params)), f"kill at step {kill_at}"
+def _saved_step(ckpt):
+    return torch.load(io.BytesIO(read_verified(ckpt)), weights_only=True)["step"]
+
+
+def test_kill_and_resume_is_bitwise_equal_and_serves_each_sample_once(tmp_path):
+    full = run_ranks(_resumable_training, 2, "full", str(tmp_path / "full.pt"), str(tmp_path / "full"), -1,
+                     timeout=120, collective_timeout=30)
+    ckpt, log, saved = str(tmp_path / "c.pt"), str(tmp_path / "log"), [0]
+    for i, kill_at in enumerate(KILLS):
+        with pytest.raises(minidp.WorkerFailed, match="SIGKILL"):
+            run_ranks(_resumable_training, 2, f"run{i}", ckpt, log, kill_at, timeout=120, collective_timeout=30)
+        saved.append(_saved_step(ckpt))
+        assert saved[-1] == kill_at - 1  # the killed step's work is lost, nothing else
+    resumed = run_ranks(_resumable_training, 2, f"run{len(KILLS)}", ckpt, log, -1, timeout=120,
+                        collective_timeout=30)
+    assert all(torch.equal(a, b) for a, b in zip(resumed[0], full[0]))
+    saved.append(EPOCHS * SAMPLES // (2 * BATCH))  # the last run ends the training
     for rank in range(2):
-        served = _served(log, rank)
-        trained = {step: v for (run, step), v in served.items() if run == "killed" and step <= saved_step}
-        trained.update({step: v for (run, step), v in served.items() if run == "resumed"})
-        expected = {step: v for (_, step), v in full_log[rank].items()}
+        served, trained = _served(log, rank), {}
+        for i in range(len(saved) - 1):
+            steps = sorted(step for run, step in served if run == f"run{i}")
+            assert steps[0] == saved[i] + 1, (rank, i, steps)  # each run went on from the last checkpoint
+            trained.update({step: served[(f"run{i}", step)] for step in steps if step <= saved[i + 1]})
+        expected = {step: v for (_, step), v in _served(str(tmp_path / "full"), rank).items()}
         assert trained == expected  # same samples, same order: none twice, none skipped
