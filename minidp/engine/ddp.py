@@ -151,9 +151,11 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             (the gradients' divisor); else None.
         """
         self.reducer.prepare_for_forward()  # ranks meet here only if this rank's last backward raised
-        if syncing:
-            self.reducer.check_consistency(debug_mode.FORWARD)  # ranks meet here in debug mode only
         count_work = Join.notify_join_context(self)  # ranks meet here under join(): who still trains?
+        # After the join notice, where a joined rank's main_hook meets it (debug.check_joined). Under
+        # join() on every forward: a joined rank cannot know whether this one syncs.
+        if syncing or self._join_config.enable:
+            self.reducer.check_consistency(debug_mode.FORWARD)  # ranks meet here in debug mode only
         self.sync_before_module(joined=False)
         return count_work if count_work is not None and not self.divide_by_initial_world_size else None
 

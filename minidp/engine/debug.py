@@ -9,6 +9,10 @@ first collective of each forward and before the first bucket of each backward, e
 all-gathers a fingerprint (phase, iteration, bucket plan, bucket, size). These always pair with
 each other, so a disagreement is seen by every rank at once and reported with its details.
 Off by default: it costs one small all-gather per forward and per backward.
+
+Under join() a rank whose data has run out still meets every check (join.py calls check_joined
+where a training rank's forward and backward check), with a "joined" fingerprint: it has no
+iteration of its own, so the comparison skips its iteration and checks the rest.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 FORWARD, BACKWARD = 1, 2
+JOINED = -1  # the iteration in a joined rank's fingerprint (it shadows the others' iterations)
 _PHASES = {FORWARD: "forward", BACKWARD: "backward"}
 LIKELY_CAUSES = ("a rank skipped a backward, ran a different number of steps, built different buckets, "
                  "or died")
@@ -57,14 +62,44 @@ def check(phase: int, iteration: int, plan: list[list[int]], group, device, buck
             f"{iteration} ({_PHASES[phase]}, before {where}): a peer did not answer, so {LIKELY_CAUSES}. "
             f"Cause: {exc}") from exc
     rows, rows_mine = [g.tolist() for g in gathered], mine.tolist()
-    differing = [r for r, row in enumerate(rows) if row != rows[0]]
+    reference, differing = find_differing(rows)
     if differing:
         # Name a bucket's parameters only for ranks whose plan is this rank's (else the names would lie).
         lines = [f"  rank {r}: {_describe(row, describe_bucket if row[2] == rows_mine[2] else None)}"
                  for r, row in enumerate(rows)]
         raise RuntimeError(
-            f"minidp.DDP consistency check (debug mode): ranks {differing} differ from rank 0 about what they "
-            f"reduce; {LIKELY_CAUSES}.\n" + "\n".join(lines))
+            f"minidp.DDP consistency check (debug mode): ranks {differing} differ from rank {reference} about "
+            f"what they reduce; {LIKELY_CAUSES}.\n" + "\n".join(lines))
+
+
+def check_joined(reducer, phase: int) -> None:
+    """On a rank that has joined (join.py): meet the training ranks' check(phase) with a joined fingerprint.
+
+    Args:
+        reducer: the joined rank's Reducer (its plan, group, device and debug setting).
+        phase: FORWARD (where a training rank's forward checks) or BACKWARD (before the first bucket).
+    """
+    if reducer.debug:
+        bucket = 0 if phase == BACKWARD else None
+        check(phase, JOINED, reducer.plan(), reducer.process_group, reducer.device, bucket,
+              reducer.describe_bucket)  # ranks meet here (debug mode only)
+
+
+def find_differing(rows: list[list[int]]) -> tuple[int, list[int]]:
+    """(reference rank, ranks whose fingerprint differs from it): the reference is the first training rank.
+
+    A joined rank's row (iteration JOINED) is compared without its iteration: it must still be in the
+    same phase, with the same bucket plan, at the same bucket.
+    """
+    reference = next((r for r, row in enumerate(rows) if row[1] != JOINED), 0)
+
+    def without_iteration(row):
+        return row[:1] + row[2:]
+
+    expected = rows[reference]
+    differing = [r for r, row in enumerate(rows) if (without_iteration(row) != without_iteration(expected)
+                                                     if row[1] == JOINED else row != expected)]
+    return reference, differing
 
 
 def _describe(row: list[int], describe_bucket) -> str:
@@ -72,7 +107,8 @@ def _describe(row: list[int], describe_bucket) -> str:
     if phase not in _PHASES:  # its side of the all-gather was some other collective
         return ("sent no minidp fingerprint: it is not in a minidp step (it finished its loop, e.g. ran "
                 "fewer steps, or is in another collective)")
-    text = f"iteration {iteration}, {_PHASES.get(phase, phase)}, bucket plan {plan:#x} ({n_buckets} buckets)"
+    when = "joined (no more data)" if iteration == JOINED else f"iteration {iteration}"
+    text = f"{when}, {_PHASES.get(phase, phase)}, bucket plan {plan:#x} ({n_buckets} buckets)"
     if bucket >= 0:
         text += f", launching bucket {bucket}"
         if describe_bucket is not None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..validate import check_bool
+from . import debug as debug_mode
 from .collectives import broadcast_coalesced, flat_chunks
 
 
@@ -76,6 +77,7 @@ class DDPJoinHook(JoinHook):
     def main_hook(self) -> None:
         ddp = self.ddp
         # Ranks meet here: the same collectives, from the same code, as a training rank's forward.
+        debug_mode.check_joined(ddp.reducer, debug_mode.FORWARD)  # ranks meet here (debug mode only)
         should_sync = ddp.sync_before_module(joined=True)
         ddp.require_forward_param_sync = should_sync
         if should_sync:

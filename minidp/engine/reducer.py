@@ -366,6 +366,7 @@ class Reducer:
 
     def shadow_backward(self) -> None:
         """For a rank that has joined (no more data): match one backward's collectives with zeros."""
+        debug_mode.check_joined(self, debug_mode.BACKWARD)  # ranks meet here (debug mode only), as bucket 0 does
         for bucket in self.buckets:  # ranks meet here: the same buckets, in the same order, as training ranks
             zeros = no_sparse_gradient(bucket.buffer) if bucket.sparse else torch.zeros_like(bucket.buffer)
             bucket.future = self._reduce(bucket, zeros)
