@@ -256,11 +256,11 @@ def plot(data: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r in data["results"]:
+    for r, offset in zip(*_label_offsets(data["results"])):
         ef = r["name"].endswith("+EF")
         ax.scatter(r["bytes_measured"], r["val_accuracy"], s=36, facecolors="tab:blue" if ef else "white",
                    edgecolors="tab:blue" if r["name"] != "exact" else "black", zorder=3)
-        ax.annotate(r["name"], (r["bytes_measured"], r["val_accuracy"]), xytext=(4, 3), textcoords="offset points",
+        ax.annotate(r["name"], (r["bytes_measured"], r["val_accuracy"]), xytext=offset, textcoords="offset points",
                     fontsize=7)
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent per step per rank (after the exact warm-up)")
@@ -271,6 +271,23 @@ def plot(data: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def _label_offsets(results: list) -> tuple[list, list]:
+    """Points with (nearly) the same bytes: the most accurate labelled above, the others below it in order."""
+    points = sorted(results, key=lambda r: r["bytes_measured"])
+    clusters = []
+    for r in points:
+        if clusters and r["bytes_measured"] < 1.1 * clusters[-1][0]["bytes_measured"]:
+            clusters[-1].append(r)
+        else:
+            clusters.append([r])
+    ordered, offsets = [], []
+    for cluster in clusters:
+        for k, r in enumerate(sorted(cluster, key=lambda r: -r["val_accuracy"])):
+            ordered.append(r)
+            offsets.append((5, 4) if k == 0 else (5, -11 * k))
+    return ordered, offsets
 
 
 def write_section(path: str, tag: str, text: str) -> None:
