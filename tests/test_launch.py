@@ -1,6 +1,7 @@
 """minidp.launch and `python -m minidp.run`: real processes, real gloo, on CPU."""
 import json
 import os
+import runpy
 import subprocess
 import sys
 import threading
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import minidp
-from harness import assert_dead, run_ranks, write_pid
+from harness import assert_dead, run_ranks, workers_forked, write_pid
 from minidp.launch import free_port
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
@@ -66,8 +67,9 @@ def test_two_nodes_on_localhost_and_local_rank_zero_first(tmp_path):
             errors.append(exc)
 
     threads = [threading.Thread(target=node, args=(n,)) for n in (0, 1)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
+    with workers_forked():  # nothing here depends on the start method: spawned launches run in test_readme
+        [t.start() for t in threads]
+        [t.join() for t in threads]
     assert not errors, errors
     results = {r: json.load(open(tmp_path / f"{r}.json")) for r in range(4)}
     assert {r: (v["node_rank"], v["local_rank"]) for r, v in results.items()} == {
@@ -90,7 +92,8 @@ def _raise_on_rank1(pid_dir):
 
 
 def _seconds_since_pids_written(pid_dir):
-    # The workers write their pid right after init, so start-up time (long on a busy machine) is not counted.
+    # The workers write their pid right after init (and their other files before the failure), so start-up
+    # time (long on a busy machine) is not counted.
     return time.time() - max(os.path.getmtime(os.path.join(pid_dir, f)) for f in os.listdir(pid_dir))
 
 
@@ -109,15 +112,24 @@ def _cli(args, **kw):
                           timeout=120, **kw)
 
 
-def test_cli_sets_torchrun_environment(tmp_path):
-    proc = _cli(["--nproc-per-node", "2", os.path.join(SCRIPTS, "report_env.py"), str(tmp_path), "--flag"])
-    assert proc.returncode == 0, proc.stderr
-    reports = [json.load(open(tmp_path / f"{r}.json")) for r in range(2)]
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """One `python -m minidp.run` run of 2 ranks that report their environment, then rank 1 fails."""
+    out = tmp_path_factory.mktemp("cli")
+    proc = _cli(["--nproc-per-node", "2", os.path.join(SCRIPTS, "report_env.py"), str(out), "--flag",
+                 "--fail-rank", "1"])
+    return proc, out, _seconds_since_pids_written(str(out))
+
+
+def test_cli_sets_torchrun_environment(cli_run):
+    proc, out, _ = cli_run  # its exit status: test_cli_failure_exits_nonzero_naming_rank (0: test_readme's runs)
+    reports = [json.load(open(out / f"{r}.json")) for r in range(2)]
     for rank, rep in enumerate(reports):
         assert rep["env"]["RANK"] == rep["env"]["LOCAL_RANK"] == str(rank)
         assert rep["env"]["WORLD_SIZE"] == rep["env"]["LOCAL_WORLD_SIZE"] == "2"
         assert rep["env"]["MASTER_ADDR"] == "127.0.0.1"
-        assert rep["sum"] == 3.0 and rep["argv"] == [str(tmp_path), "--flag"] and rep["name"] == "__main__"
+        assert rep["sum"] == 3.0 and rep["argv"] == [str(out), "--flag", "--fail-rank", "1"]
+        assert rep["name"] == "__main__"
     assert reports[0]["env"]["MASTER_PORT"] == reports[1]["env"]["MASTER_PORT"]
     assert reports[0]["listen"] == ["127.0.0.1"]  # the rendezvous is not exposed on other interfaces
     assert proc.stdout.count("printed once by rank 0") == 1
@@ -125,13 +137,13 @@ def test_cli_sets_torchrun_environment(tmp_path):
     assert "[rank 1] hello from the logger" in proc.stderr
 
 
-def test_cli_failure_exits_nonzero_naming_rank(tmp_path):
-    proc = _cli(["--nproc-per-node", "2", os.path.join(SCRIPTS, "fail_rank1.py"), str(tmp_path)])
-    assert _seconds_since_pids_written(str(tmp_path)) < 60  # rank 0 did not wait out its 120 s collective timeout
+def test_cli_failure_exits_nonzero_naming_rank(cli_run):
+    proc, out, seconds = cli_run
+    assert seconds < 60  # rank 0 did not wait out its 120 s collective timeout
     assert proc.returncode != 0
     assert "worker rank 1 failed first" in proc.stderr
-    assert proc.stderr.count("ValueError: rank one is broken on purpose") == 1  # traceback printed once
-    assert_dead(str(tmp_path), 2)
+    assert proc.stderr.count("ValueError: rank 1 is broken on purpose") == 1  # traceback printed once
+    assert_dead(str(out), 2)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -154,9 +166,13 @@ def test_launch_bad_input(kwargs, error, match):
         minidp.launch(**{"fn": print, **kwargs})
 
 
-def test_cli_bad_input():
-    proc = _cli(["--nproc-per-node", "0", "x.py"])
-    assert proc.returncode == 2 and "nprocs=0 must be >= 1" in proc.stderr
+@pytest.mark.filterwarnings("ignore:'minidp.run' found in sys.modules")
+def test_cli_bad_input(monkeypatch, capsys):
+    # minidp.run's __main__ block, run here (runpy) rather than in a new interpreter: no torch import
+    monkeypatch.setattr(sys, "argv", ["minidp.run", "--nproc-per-node", "0", "x.py"])
+    with pytest.raises(SystemExit) as info:
+        runpy.run_module("minidp.run", run_name="__main__")
+    assert info.value.code == 2 and "nprocs=0 must be >= 1" in capsys.readouterr().err
 
 
 def test_shutdown_is_safe_twice():
