@@ -139,7 +139,12 @@ def _run(world_size):
         return torch.load(os.path.join(tmp, f"world{world_size}.pt"), weights_only=False)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--from-json"]:  # re-render the tables and the plot of a recorded run
+        with open(argv[1]) as f:
+            report = json.load(f)
+        return _publish(report)
     print("1/2 at world size 2: compute profiles, then steps per cap and the all-reduce sweep, in rounds", flush=True)
     world2 = _run(2)
     print("2/2 compute profiles at world size 1", flush=True)
@@ -170,7 +175,17 @@ def main() -> int:
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "simulate_check.json"), "w") as f:
         json.dump(report, f, indent=1)
+    return _publish(report)
+
+
+def _publish(report: dict) -> int:
+    """Print the tables for RESULTS.md; draw the ResNet-18 prediction on the default cluster network."""
+    from minidp.study.plot import plot_scaling
+
     print(markdown(report))
+    rows = report["workloads"]["resnet18"]["cluster_scaling"]
+    plot_scaling(os.path.join(HERE, "results", "simulate_resnet18_cluster.png"), rows,
+                 "ResNet-18 32x32, batch 32 per rank (compute measured here), on network.CLUSTER, ring")
     return 0
 
 
@@ -195,6 +210,10 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {name} | {source} | {cap} | {m:.1f} | {p:.1f} | {100 * (p / m - 1):+.0f}% |")
         lines.append(f"| {name} | best cap | | {entry['best_cap_measured']} | "
                      f"{entry['no_comm_world2']['best_cap_predicted']} / {entry['world1']['best_cap_predicted']} | |")
+    from minidp.study.simulate import format_table
+
+    lines += ["", "ResNet-18 on network.CLUSTER (8 ranks per node; 5 us, 100 GB/s inside; 15 us, 12.5 GB/s between):",
+              "```", format_table(report["workloads"]["resnet18"]["cluster_scaling"], CLUSTER), "```"]
     return "\n".join(lines)
 
 

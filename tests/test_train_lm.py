@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "8",
         "--grad-accum", "2", "--bf16", "--lr", "3e-3", "--warmup-steps", "2", "--eval-batches", "2",
         "--log-every", "1000"]
-STEPS = 24
+STEPS = 16
 
 
 def _four_runs(out_dir):

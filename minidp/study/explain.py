@@ -142,10 +142,16 @@ def write_files(report: dict, ranks: list, out_dir: str, progress) -> dict:
     stem = os.path.join(out_dir, "explain_" + re.sub(r"[^\w.-]+", "_", report["model"]))
     events = {r: res["minidp"]["events"][-1] for r, res in enumerate(ranks)}
     files = {"png": stem + "_timeline.png", "trace": stem + "_trace.json", "events": stem + "_events.json"}
-    progress(f"drawing the timeline of step {len(ranks[0]['minidp']['events'])}")
     cap = "default buckets" if report["bucket_cap_mb"] is None else f"bucket_cap_mb={report['bucket_cap_mb']:g}"
-    plot_timelines(files["png"], events, f"minidp, {report['model']}, world size {report['world_size']}, {cap}, "
-                   f"{len(report['phases'][1]['buckets'])} buckets, CPU/gloo")
+    try:
+        import matplotlib  # noqa: F401 - optional: only the PNG needs it
+    except ImportError:
+        progress("matplotlib is not installed: no PNG (pip install matplotlib); the trace is written")
+        files["png"] = None
+    else:
+        progress(f"drawing the timeline of step {len(ranks[0]['minidp']['events'])}")
+        plot_timelines(files["png"], events, f"minidp, {report['model']}, world size {report['world_size']}, "
+                       f"{cap}, {len(report['phases'][1]['buckets'])} buckets, CPU/gloo")
     write_chrome_trace(files["trace"], events)
     with open(files["events"], "w") as f:
         json.dump({key: report[key] for key in ("model", "world_size", "batch", "input_shape", "bucket_cap_mb",
@@ -166,7 +172,8 @@ def format_report(report: dict) -> str:
         lines += _format_phase(phase, report) + [""]
     files = report.get("files")
     if files:
-        lines.append(f"timeline of the last step: {files['png']}\nPerfetto trace (https://ui.perfetto.dev): "
+        lines.append(f"timeline of the last step: {files['png'] or '(no PNG: matplotlib missing)'}\n"
+                     f"Perfetto trace (https://ui.perfetto.dev): "
                      f"{files['trace']}\nrecorded events (python -m minidp.simulate --events ...): {files['events']}")
     return "\n".join(lines).rstrip()
 

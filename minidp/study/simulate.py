@@ -253,7 +253,10 @@ def main(argv=None) -> int:
     if args.plot:
         from .plot import plot_scaling
 
-        plot_scaling(args.plot, rows, f"{args.events}: predicted step, {net.algorithm} all-reduce")
+        try:
+            plot_scaling(args.plot, rows, f"{args.events}: predicted step, {net.algorithm} all-reduce")
+        except ImportError:
+            p.error("--plot needs matplotlib (pip install matplotlib)")
     if args.json:
         print(json.dumps({"network": net.to_dict(), "rows": rows,
                           "caps": caps and {n: {"best": b, "steps": s} for n, (b, s) in caps.items()}}, indent=1))
