@@ -18,6 +18,7 @@ import importlib.metadata
 import json
 import math
 import os
+import sys
 import sysconfig
 import time
 
@@ -217,6 +218,10 @@ def write_report(path: str, summary: dict, source: str) -> None:
                    "weights_sha256": digest.hexdigest()}, f)
 
 
+# A preset for smoke tests (as the other examples' --tiny): a 2-layer, 32-wide model, 3 steps.
+TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, max_steps=3, eval_batches=1, log_every=1)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", help="a text file (default: license texts found on this machine)")
@@ -242,6 +247,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sample", type=int, default=0, help="characters to generate at the end (rank 0)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--report", help="JSON summary written by rank 0")
+    p.add_argument("--tiny", action="store_true", help=f"test preset (changes the defaults only): {TINY}")
+    if "--tiny" in (sys.argv[1:] if argv is None else argv):
+        p.set_defaults(**TINY)
     args = p.parse_args(argv)
     for name in ("nproc_per_node", "max_steps", "batch_size", "grad_accum", "block_size", "n_layer", "n_head",
                  "n_embd", "eval_batches", "log_every", "warmup_steps"):

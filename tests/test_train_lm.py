@@ -54,7 +54,7 @@ def test_engines_bitwise_equal_loss_down_and_exact_resume(tmp_path):
 
 def test_command_line_on_the_text_found_on_the_machine(tmp_path):
     report = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_lm.py"), *TINY, "--max-steps", "3",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_lm.py"), "--tiny",
                            "--nproc-per-node", "2", "--sample", "20", "--report", str(report)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -68,6 +68,13 @@ class Network:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def describe(self) -> str:
+        """One line for people: algorithm, node size, both links."""
+        link = lambda k: f"{k.latency_s * 1e6:.1f} us, {k.bandwidth / 1e9:.2f} GB/s"  # noqa: E731
+        return (f"{self.algorithm} all-reduce, {self.ranks_per_node} rank(s) per node; inside a node "
+                f"{link(self.intra)}; between nodes {link(self.inter)}"
+                + ("; shared cores (nothing overlaps)" if self.shared_cores else ""))
+
     @classmethod
     def from_dict(cls, data: dict) -> "Network":
         return cls(Link(**data["intra"]), Link(**data["inter"]), data.get("ranks_per_node", 8),

@@ -262,7 +262,7 @@ def main(argv=None) -> int:
                           "caps": caps and {n: {"best": b, "steps": s} for n, (b, s) in caps.items()}}, indent=1))
         return 0
     print(f"compute of one step (recorded): {1e3 * profile.compute_s:.1f} ms, {len(profile.names)} gradients, "
-          f"{sum(profile.nbytes) / MIB:.1f} MiB; network: {net}")
+          f"{sum(profile.nbytes) / MIB:.1f} MiB\nnetwork: {net.describe()}")
     print(format_table(rows, net))
     for n, (best, steps) in (caps or {}).items():
         listed = ", ".join(f"{c:g}: {1e3 * s:.1f}" for c, s in steps.items())
