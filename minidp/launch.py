@@ -123,7 +123,8 @@ def _after_fork() -> None:
     Why: the parent's atexit handlers (IPython's history database, its temp files) are not the
     worker's to run. And GNU OpenMP's thread pool does not survive a fork: once the parent has run a
     parallel torch op, the child's next one waits forever for threads that do not exist in it, unless
-    the child uses one thread (as torch's DataLoader workers do; torchrun's default too).
+    the child uses one thread (as torch's DataLoader workers do; torchrun's default too). So a forked
+    worker must not raise torch.set_num_threads() if this process has run parallel torch ops.
     """
     import atexit
 

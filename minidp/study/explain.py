@@ -107,8 +107,7 @@ def summarize(cfg: dict, params: list, world_size: int, rank0: dict) -> dict:
         "rebuilt": ours["plans"][last] != ours["plans"][0],
         "phases": [_phase("construction", 0, ours, theirs[0], params),
                    _phase("rebuilt", last, ours, theirs[last], params)],
-        "params": [list(p) for p in params],
-        "events": ours["events"][last],  # rank 0's last step; every rank's goes into the events file
+        "params": [list(p) for p in params],  # (name, numel, bytes); the events file has the timelines
     }
 
 
