@@ -1,7 +1,7 @@
 """minidp: a from-scratch data-parallel training engine for PyTorch."""
 import sys
 
-from . import data, lr, optim
+from . import comm, data, lr, optim
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data.sampler import DistributedSampler
 from .engine import hooks
@@ -27,6 +27,7 @@ __all__ = [
     "WorkerFailed",
     "all_reduce_sums",
     "barrier",
+    "comm",
     "convert_sync_batchnorm",
     "data",
     "get_logger",

@@ -4,10 +4,12 @@
                   before each forward, no_sync(), register_comm_hook(), join()
   reducer.py      flat bucket buffers, one hook per parameter, in-order async launch, and the
                   end-of-backward finalize that waits and writes the averaged gradients back
-  planning.py     pure bucket planning (DDP's layout rules), no process group
+  planning.py     bucket planning (DDP's layout rules), flat buffers and views, sparse helpers
   hooks.py        GradBucket and the default all-reduce hook (DDP's comm-hook contract)
   collectives.py  coalesced broadcast, cross-rank agreement checks
   join.py         uneven inputs on torch's Join protocol
   debug.py        debug mode: per-step fingerprints of what each rank reduces
   timeline.py     the event recorder behind model.enable_timeline()
+  graph_split.py  a torch.compile backend that cuts the graph at bucket boundaries, so gradients
+                  arrive during backward (not wired into the wrapper yet)
 """
