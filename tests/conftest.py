@@ -14,6 +14,11 @@ torch.set_num_threads(1)
 # wants NCCL says so: minidp.init(backend="nccl") (an explicit backend= wins over the variable).
 os.environ.setdefault("MINIDP_BACKEND", "gloo")
 
+# Workers are spawned, not forked from the pytest process: forking a process that runs other
+# threads (gloo's, a background command's reader) can leave a child waiting on a lock that no
+# thread of it will ever release. A forked 2-rank run hung that way in a full run of the suite.
+os.environ.setdefault("MINIDP_TEST_SPAWN", "1")
+
 
 @pytest.fixture(autouse=True)
 def _cpu_children_unless_gpu_test(request, monkeypatch):
