@@ -1,14 +1,17 @@
 """The two training examples end to end in their --tiny mode (2 workers, 60 images of 16x16, 3 steps).
 
-Each run is a real command line in a subprocess: spawned by the example itself (minidp.launch) or
-under `python -m minidp.run`. The torchvision example runs with minidp and with torch DDP on the same
-seed, and the two must end bitwise equal; the checkpoint is reloaded into a fresh model and must
-give the accuracy the run reported. A few pure checks of the shared pieces need no process at all.
+The torchvision example runs with minidp and with torch DDP on the same seed, with SyncBatchNorm and
+LARS, and the two must end bitwise equal; the checkpoint is reloaded into a fresh model and must give
+the accuracy the run reported. torch's DDP runs as a real command under torchrun (2 ranks), in the
+background; minidp's meanwhile through the example's main() in this process, its workers forked from
+it (tests/harness.py; spawned by a real command line: test_readme.py's `python examples/...` runs).
+The DALI example runs under torch.distributed.run in test_torchrun.py, with an empty validation batch.
+A few pure checks of the shared pieces need no process at all.
 """
 import argparse
 import json
 import os
-import subprocess
+import re
 import sys
 
 import pytest
@@ -16,44 +19,56 @@ import torch
 from torch.utils.data import DataLoader
 
 import minidp
+from harness import workers_forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 sys.path.insert(0, EXAMPLES)
+sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
 
 import demo  # noqa: E402
 import train_torchvision  # noqa: E402
+from processes import LAUNCH_VARS, VENV_BIN, Command  # noqa: E402
 
 import common  # noqa: E402 - examples/ is not a package
 
-# A variable left by an in-process minidp.init() elsewhere in the session would make the example
-# believe it runs under torchrun: the children get a clean launch environment.
-LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-               "MASTER_ADDR", "MASTER_PORT")
+ACCURACY = re.compile(r"epoch 1/1  train loss [\d.]+  val loss [\d.]+  val accuracy ([\d.]+)% of 20 images")
 
 
-def run_example(tmp_path, script, *options, under_minidp_run=False, name="report") -> dict:
-    """Run examples/<script> in tiny mode with 2 workers; return its JSON report."""
-    report = tmp_path / f"{name}.json"
-    cmd = [os.path.join(EXAMPLES, script), "--tiny", "--report", str(report), *options]
-    cmd = [sys.executable, "-m", "minidp.run", "--nproc-per-node", "2", *cmd] if under_minidp_run else \
-        [sys.executable, *cmd, "--nproc-per-node", "2"]
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
-    assert "val accuracy" in proc.stdout and proc.stdout.count("epoch 1/1  train loss") == 1  # rank 0 only
-    with open(report) as f:
+def _torchrun_ddp(tmp_path, options) -> Command:
+    """`torchrun --nproc-per-node 2 examples/train_torchvision.py --tiny --engine ddp ...`, started now."""
+    cmd = [os.path.join(VENV_BIN, "torchrun"), "--nproc-per-node", "2", os.path.join(EXAMPLES, "train_torchvision.py"),
+           "--tiny", *options, "--engine", "ddp", "--checkpoint", str(tmp_path / "ddp"), "--report",
+           str(tmp_path / "ddp.json")]
+    return Command(cmd, ROOT, timeout=240)
+
+
+def _minidp_in_process(tmp_path, options, monkeypatch) -> dict:
+    """The example's main() here, spawning (forking) its 2 workers itself; returns its JSON report."""
+    for name in [*LAUNCH_VARS, *(k for k in os.environ if k.startswith(("TORCHELASTIC_", "SLURM_")))]:
+        monkeypatch.delenv(name, raising=False)  # left by an in-process init(), the example would not launch
+    with workers_forked():
+        train_torchvision.main(["--tiny", *options, "--nproc-per-node", "2", "--checkpoint", str(tmp_path / "minidp"),
+                                "--report", str(tmp_path / "minidp.json")])
+    with open(tmp_path / "minidp.json") as f:
         return json.load(f)
 
 
-def test_torchvision_minidp_spawned_equals_torch_ddp_under_minidp_run(tmp_path):
-    # The same tiny run twice, on the same data and seed, with SyncBatchNorm and LARS: minidp's engine
-    # spawned by the example itself, then torch's DDP under `python -m minidp.run`.
+def test_torchvision_minidp_equals_torch_ddp_under_torchrun(tmp_path, monkeypatch):
+    # The same tiny run twice, on the same data and seed, with SyncBatchNorm and LARS.
     same = ["--synthetic-dir", str(tmp_path / "data"), "--sync-bn", "--optimizer", "lars"]
-    out = run_example(tmp_path, "train_torchvision.py", *same, "--checkpoint", str(tmp_path / "minidp"),
-                      name="minidp")
-    ddp = run_example(tmp_path, "train_torchvision.py", *same, "--engine", "ddp", "--checkpoint",
-                      str(tmp_path / "ddp"), under_minidp_run=True, name="ddp")
+    torchrun = _torchrun_ddp(tmp_path, same)
+    try:
+        out = _minidp_in_process(tmp_path, same, monkeypatch)
+    finally:
+        result = torchrun.wait()  # (kills it at its timeout)
+    assert result.returncode == 0, result
+    assert "Address already in use" not in result.output  # the workers joined torchrun's store, none started one
+    accuracies = ACCURACY.findall(result.output)
+    assert len(accuracies) == 1, result  # printed by rank 0 only
+    with open(tmp_path / "ddp.json") as f:
+        ddp = json.load(f)
+    assert float(accuracies[0]) == pytest.approx(100 * ddp["history"][0]["val_accuracy"], abs=0.01)
     assert out["engine"] == "minidp" and out["world_size"] == 2 and out["steps"] == common.TINY["max_steps"]
     assert ddp["engine"] == "ddp" and ddp["world_size"] == 2 and ddp["steps"] == out["steps"]
     # At 2 ranks minidp is bitwise torch DDP: the same weights, BatchNorm statistics, losses and accuracy.
@@ -90,19 +105,6 @@ def test_make_optimizer_warms_up_to_the_scaled_lr_then_decays(optimizer, cls):
     assert lrs[0] == pytest.approx(args.lr) and lrs[2] == pytest.approx(peak)  # 2 warm-up steps, then the peak
     assert lrs[2:] == pytest.approx([peak * common.cosine(s, 6) for s in range(6)])  # cosine over the 6 others
     assert sched.state_dict()["lr_lambdas"] == [{}, {}]  # nothing unpicklable goes into a checkpoint
-
-
-def test_dali_spawned_exact_validation_with_an_empty_batch(tmp_path):
-    pytest.importorskip("nvidia.dali")
-    root = tmp_path / "images"
-    common.write_synthetic(str(root), 6, 2, size=16, seed=0)
-    for name in ("class9/00000.png", "class9/00001.png", "class8/00001.png"):
-        os.remove(root / "val" / name)
-    # 17 validation images: shards of 8 and 9 in batches of 8, so rank 0's second batch is empty.
-    out = run_example(tmp_path, "train_dali.py", "--data", str(root), "--optimizer", "lamb",
-                      "--checkpoint", str(tmp_path / "ckpt"))
-    assert out["steps"] == 3 and out["history"][0]["val_count"] == 17
-    minidp.load_checkpoint(out["checkpoint"], common.resnet18_cifar(10, width=common.TINY["width"]))
 
 
 def _args(tmp_path, **kw):

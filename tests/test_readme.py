@@ -8,9 +8,10 @@ What changes before a README line runs, and nothing else:
   * `python examples/...` commands get `--tiny` (the examples' test preset: 3 steps, 16 px images);
   * world size: a command for two nodes ("on each node") runs twice at once on 127.0.0.1, with
     `--node-rank` 0 and 1, `--nproc-per-node 1` (world size 2), `10.0.0.1` -> 127.0.0.1 and
-    `--master-port 29500` -> a free port. On one node `--nproc-per-node N` becomes 1, except where
-    NPROC_TWO says why 2: test_torchrun.py, test_launch.py and test_examples.py run those launcher
-    shapes at world size 2 already, and each process costs seconds of this 2-core machine;
+    `--master-port 29500` -> a free port. On one node `--nproc-per-node N` becomes 1: test_launch.py,
+    test_torchrun.py and test_examples.py (torch's DDP with --sync-bn under torchrun, compared with
+    minidp) run these launcher shapes at world size 2 already, and each process costs seconds of this
+    2-core machine;
   * placeholders: `train.py` -> tests/scripts/ddp_train.py (a torch DDP script for torchrun) with the
     README's ```diff blocks applied, so it is minidp's (across 2 ranks in the two-node command);
     `~/imagenette` and "imagenet/train" -> tiny generated image folders; `make_or_download_data()`
@@ -50,9 +51,6 @@ SKIPPED_MAKE = {  # target: (why it is not run, what `make -n` must show)
     "test": ("`make test` runs the whole suite, this file included: it would recurse", "-m pytest"),
     "demo": ("`make demo` trains twice for a minute (its own sizes override --tiny); the example it "
              "runs is run here and in test_examples.py", "examples/demo.py"),
-}
-NPROC_TWO = {  # one-node commands that run at world size 2, and why
-    "--engine ddp": "torch's DDP (with --sync-bn) under torchrun runs nowhere else",
 }
 HAVE_DALI = True
 try:
@@ -151,15 +149,9 @@ class Workspace:
         return Command(cmd, cwd, self.env, timeout=TIMEOUT_S)
 
 
-def nproc(cmd: str) -> int:
-    if "--node-rank" in cmd:
-        return 1
-    return 2 if any(key in cmd for key in NPROC_TWO) else 1
-
-
 def small_form(cmd: str, ws: Workspace, node_rank: int = 0, port: int = 0) -> str:
     """The README command as it runs here (see the module docstring)."""
-    out = re.sub(r"--nproc-per-node \d+", f"--nproc-per-node {nproc(cmd)}", cmd)
+    out = re.sub(r"--nproc-per-node \d+", "--nproc-per-node 1", cmd)
     if "--node-rank" in cmd:
         out = out.replace("--node-rank 0", f"--node-rank {node_rank}")
         out = out.replace("10.0.0.1", "127.0.0.1").replace("--master-port 29500", f"--master-port {port}")
@@ -169,7 +161,7 @@ def small_form(cmd: str, ws: Workspace, node_rank: int = 0, port: int = 0) -> st
 
 
 def world(cmd: str) -> int:
-    return nproc(cmd) * (2 if "--node-rank" in cmd else 1)
+    return 2 if "--node-rank" in cmd else 1
 
 
 def check_train_py(cmd: str) -> Callable[[str], None]:
@@ -339,7 +331,7 @@ def test_readme_holds_what_this_test_runs():
     assert found == EXPECTED, f"README.md now has {found}: update EXPECTED, and teach this file the new ones"
     text = open(README).read()
     for placeholder in ("train.py", "~/imagenette", "10.0.0.1", "--master-port 29500", "make_or_download_data()",
-                        '"imagenet/train"', "--node-rank 0", *NPROC_TWO):
+                        '"imagenet/train"', "--node-rank 0"):
         assert placeholder in text, f"README.md no longer has {placeholder!r}: drop what this file does with it"
 
 
