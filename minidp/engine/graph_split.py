@@ -62,19 +62,29 @@ class BucketSplitter:
             return self.backend(gm, example_inputs)
         split = fx.passes.split_module.split_module(gm, None, lambda node: piece_of[node])
         for node in split.graph.nodes:
-            if node.op == "call_module":  # one call per piece: compiled on its first call
-                setattr(split, node.target, torch.compile(_own_code(getattr(split, node.target)), backend=self.backend))
+            if node.op == "call_module":  # one call per piece
+                piece = getattr(split, node.target)
+                delattr(split, node.target)
+                setattr(split, node.target, _CompiledOnFirstCall(piece, self.backend))
         return split
 
 
-def _own_code(piece: fx.GraphModule) -> fx.GraphModule:
-    """The piece as a plain GraphModule, whose forward is code of its own.
+class _CompiledOnFirstCall:
+    """One piece of the graph, compiled with the user's backend when it first runs.
 
-    Inside a compile, split_module makes lazy GraphModules, whose forward is one shared stub until
-    first called. Compiled as they are, all pieces would be the same frame to dynamo, and from the
-    9th piece on its recompile limit would leave them uncompiled.
+    Not sooner: while dynamo compiles, the code FX generates for a GraphModule is marked for dynamo
+    to skip (convert_frame.fx_forward_from_src_skip_result), so a piece compiled from the backend
+    would silently stay eager. The piece is rebuilt as a plain GraphModule at its first run, which
+    gives it code of its own (split_module's pieces share a lazy stub, one frame to dynamo).
     """
-    return fx.GraphModule(piece, piece.graph)
+
+    def __init__(self, piece: fx.GraphModule, backend):
+        self.piece, self.backend, self.compiled = piece, backend, None
+
+    def __call__(self, *args):
+        if self.compiled is None:
+            self.compiled = torch.compile(fx.GraphModule(self.piece, self.piece.graph), backend=self.backend)
+        return self.compiled(*args)
 
 
 def assign_pieces(gm: fx.GraphModule, limits) -> dict:
