@@ -69,14 +69,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def mlp(depth: int, width: int) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
+class MLP(nn.Module):
+    """`depth` x (Linear(width, width), ReLU).
+
+    A class of its own, as user models are: torch.compile(torch DDP(m)) compiles the module's forward
+    as a frame of its own, and dynamo never starts a frame in torch.nn's code (a bare nn.Sequential
+    there would run eagerly under torch DDP).
+    """
+
+    def __init__(self, depth: int, width: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
+
+    def forward(self, x):
+        return self.layers(x)
 
 
 def build_phases(args, device) -> dict:
     """Name -> model; every model starts from the same weights."""
-    base = mlp(args.depth, args.width).to(device)
+    base = MLP(args.depth, args.width).to(device)
     clone = lambda: copy.deepcopy(base)  # noqa: E731 - one line, used six times below
     compiled = lambda m: torch.compile(m, backend=args.compile_backend)  # noqa: E731
     kwargs = {"bucket_cap_mb": args.bucket_cap_mb, "device_ids": [device.index] if device.type == "cuda" else None}

@@ -35,9 +35,18 @@ LAYER_BYTES = (16 * 16 + 16) * 4  # one Linear(16, 16): a bucket, and a piece, o
 CAP_MB = LAYER_BYTES / planning.MIB
 
 
-def deep_mlp(layers=5):
-    torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(16, 16), nn.Tanh())])
+class DeepMLP(nn.Module):
+    """A class of its own, as user models are: torch.compile(torch DDP(m)) compiles m's forward as a
+    frame, which dynamo would not do for a bare nn.Sequential (torch.nn's code starts no frame)."""
+
+    def __init__(self, layers=5):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(16, 16), nn.Tanh())])
+
+    def forward(self, x):
+        return self.layers(x)
+
 
 
 def wrap(engine, order, module, **ddp_kwargs):
@@ -89,7 +98,7 @@ class Scaled(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.layers = deep_mlp(3)
+        self.layers = DeepMLP(3)
 
     def forward(self, x):
         return self.layers(x * 2)
@@ -106,7 +115,7 @@ def _piece_by_op(gm, pieces, target) -> list[int]:
     ([4 * LAYER_BYTES], [0, 1, 1, 1, 1]),                  # >=: a piece closes once it reaches its limit
 ])
 def test_pieces_follow_the_bucket_limits_from_the_output_back(limits, expected):
-    gm = dynamo_graph(deep_mlp(), torch.randn(2, 16))
+    gm = dynamo_graph(DeepMLP(), torch.randn(2, 16))
     pieces = graph_split.assign_pieces(gm, limits)
     assert _piece_by_op(gm, pieces, torch._C._nn.linear) == expected
     assert _piece_by_op(gm, pieces, torch.tanh) == expected  # each activation stays with its layer
@@ -121,7 +130,7 @@ def test_preamble_joins_the_first_piece():
 
 
 def test_cut_graph_computes_what_eager_computes_in_separate_backward_nodes():
-    eager, model = deep_mlp(), deep_mlp()
+    eager, model = DeepMLP(), DeepMLP()
     splitter = graph_split.BucketSplitter(torch._dynamo.lookup_backend(BACKEND), [LAYER_BYTES])
     compiled = torch.compile(model, backend=splitter)
     x = torch.randn(4, 16)
@@ -151,7 +160,7 @@ def test_backend_of_a_compiled_module_is_the_one_given_to_torch_compile():
 
 
 def test_runner_copies_compile_again():
-    runner = graph_split.ModuleRunner(torch.compile(deep_mlp(), backend=BACKEND), CAP_MB)
+    runner = graph_split.ModuleRunner(torch.compile(DeepMLP(), backend=BACKEND), CAP_MB)
     x = torch.randn(4, 16)
     expected = runner(x)
     for clone in (copy.deepcopy(runner), pickle.loads(pickle.dumps(runner))):
@@ -187,14 +196,15 @@ def _parity_worker():
     """Per model and order: minidp's and torch DDP's weights after 3 steps, and minidp's piece counts."""
     assert torch._dynamo.config.optimize_ddp in (True, "ddp_optimizer")  # torch DDP's graph cutting is on
     out = {}
-    for name, build, batch, cap in (("mlp", deep_mlp, _mlp_batch, CAP_MB), ("cnn_bn", _cnn, _cnn_batch, 0.0002)):
+    for name, build, batch, cap in (("mlp", DeepMLP, _mlp_batch, CAP_MB), ("cnn_bn", _cnn, _cnn_batch, 0.0002)):
         for order in ("ddp_of_compiled", "compiled_ddp"):
             torch._dynamo.reset()  # each case compiles afresh (and stays under dynamo's recompile limit)
             ours = wrap("minidp", order, build(), bucket_cap_mb=cap)
             out[name, order, "minidp"], out[name, order, "compiled nodes"] = _train(ours, batch)
             out[name, order, "pieces"] = [s.pieces for s in ddp_of(ours)._run_module.splitters]
             torch._dynamo.reset()
-            out[name, order, "torch"], _ = _train(wrap("torch", order, build()), batch)
+            theirs = wrap("torch", order, build())
+            out[name, order, "torch"], out[name, order, "torch compiled nodes"] = _train(theirs, batch)
     return out
 
 
@@ -209,7 +219,7 @@ def _overlap_worker():
     for order in ("ddp_of_compiled", "compiled_ddp"):
         for cut in (True, False):
             torch._dynamo.reset()
-            model = wrap("minidp", order, deep_mlp(), bucket_cap_mb=CAP_MB)
+            model = wrap("minidp", order, DeepMLP(), bucket_cap_mb=CAP_MB)
             ddp = ddp_of(model)
             if not cut:
                 ddp._run_module.limits = [planning.UNBOUNDED]  # one piece: the whole graph
@@ -242,6 +252,7 @@ def parity():
 @pytest.mark.parametrize("model", ["mlp", "cnn_bn"])
 @pytest.mark.parametrize("order", ["ddp_of_compiled", "compiled_ddp"])
 def test_bitwise_equal_to_torch_ddp_with_compile(parity, model, order):
+    assert parity[0][model, order, "torch compiled nodes"] > 0  # the reference ran compiled too
     for rank_result in parity:
         ours, theirs = rank_result[model, order, "minidp"], rank_result[model, order, "torch"]
         assert len(ours) == len(theirs)
@@ -292,7 +303,7 @@ def test_control_whole_graph_has_no_backward_after_launch(overlap, order):
 
 
 def _eager_step_imports():
-    model = minidp.DDP(deep_mlp(2))
+    model = minidp.DDP(DeepMLP(2))
     model(torch.randn(2, 16)).sum().backward()
     return "torch._dynamo" in sys.modules
 
