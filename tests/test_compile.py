@@ -146,6 +146,21 @@ def test_cut_graph_computes_what_eager_computes_in_separate_backward_nodes():
     assert splitter.pieces == [5, 1]  # no gradients: nothing to overlap, the graph stays whole
 
 
+def test_batch_size_changes_recompile_and_cut_again():
+    """A new batch size recompiles the graph (then with a dynamic size), which is cut again."""
+    eager, model = DeepMLP(), DeepMLP()
+    splitter = graph_split.BucketSplitter(torch._dynamo.lookup_backend(BACKEND), [LAYER_BYTES])
+    compiled = torch.compile(model, backend=splitter)
+    for batch in (4, 3, 5, 4):
+        x = torch.randn(batch, 16)
+        expected, loss = eager(x).sum(), compiled(x).sum()
+        expected.backward()
+        loss.backward()
+        assert torch.equal(loss, expected)
+    assert splitter.pieces == [5, 5]
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
+
+
 def test_backend_of_a_compiled_module_is_the_one_given_to_torch_compile():
     m, seen = nn.Linear(2, 2), []
 

@@ -75,7 +75,8 @@ class _CompiledOnFirstCall:
     Not sooner: while dynamo compiles, the code FX generates for a GraphModule is marked for dynamo
     to skip (convert_frame.fx_forward_from_src_skip_result), so a piece compiled from the backend
     would silently stay eager. The piece is rebuilt as a plain GraphModule at its first run, which
-    gives it code of its own (split_module's pieces share a lazy stub, one frame to dynamo).
+    gives it code of its own (split_module's pieces share a lazy stub, one frame to dynamo), and its
+    forward is compiled rather than the module (fewer Python layers per call: 16 pieces, 2 passes).
     """
 
     def __init__(self, piece: fx.GraphModule, backend):
@@ -83,7 +84,7 @@ class _CompiledOnFirstCall:
 
     def __call__(self, *args):
         if self.compiled is None:
-            self.compiled = torch.compile(fx.GraphModule(self.piece, self.piece.graph), backend=self.backend)
+            self.compiled = torch.compile(fx.GraphModule(self.piece, self.piece.graph).forward, backend=self.backend)
         return self.compiled(*args)
 
 
