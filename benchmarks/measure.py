@@ -141,6 +141,21 @@ def run_job(job: dict, rank: int, device: torch.device) -> dict:
             "construction": construction, "phases": {n: summarize(t) for n, t in times.items()}}
 
 
+def wait_for_done_events(timeline, limit_s: float = 10.0) -> None:
+    """Return once every "launch" in `timeline` has its "done" (or after `limit_s`).
+
+    Why: "done" is recorded by the future's callback, on the thread that completed the future (gloo's),
+    which can run just after the step that waited for the future has moved on; a snapshot taken at
+    once then misses it (seen on a busy 2-core machine). Waiting here changes no recorded time.
+    """
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        kinds = [kind for kind, _, _ in timeline.snapshot()]
+        if kinds.count("done") >= kinds.count("launch"):
+            return
+        time.sleep(0.001)
+
+
 def record_timeline(job: dict, rank: int, device: torch.device) -> dict:
     """Timelines of `job['steps']` minidp steps after warm-up; every rank's events, gathered on all.
 
@@ -165,6 +180,7 @@ def record_timeline(job: dict, rank: int, device: torch.device) -> dict:
         opt.step()
         synchronize(device)
         timeline.record("step_end")
+        wait_for_done_events(timeline)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, timeline.snapshot())  # ranks meet here
         steps.append(gathered)
