@@ -25,8 +25,9 @@ backend that keeps eager kernels (aot_eager) results are bitwise those of eager;
 those of torch DDP + torch.compile when the cuts fall in the same places (the same byte limits).
 
 torch has no public accessor for "the backend this compile uses": `_backend_of` reads it the way
-dynamo does for torch DDP (the `_torchdynamo_orig_backend` chain, eval_frame.innermost_backend).
-torch._dynamo is imported only once a compiled module shows up (it costs seconds to import).
+dynamo does for torch DDP (the `_torchdynamo_orig_backend` chain of a compile's callback), and the
+callback of the compile running the wrapper comes from torch._C._dynamo. Both are looked up only
+once a compile is involved, and torch._dynamo is imported only then (it costs seconds to import).
 """
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ import sys
 
 import torch
 from torch import fx, nn
-from torch._C._dynamo.eval_frame import get_eval_frame_callback  # part of torch._C: no import cost
 
 from . import planning
 
@@ -197,6 +197,8 @@ def forward_outside_dynamo(ddp: nn.Module, inputs: tuple, kwargs: dict):
     calls, so the compile's callback is still installed here. It is read here; then the wrapper's
     forward runs with dynamo off, and its ModuleRunner compiles the module, in pieces, with it.
     """
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
     runner = ddp._run_module
     runner.callback = get_eval_frame_callback()
     try:
@@ -212,7 +214,11 @@ def _is_compiled(module: nn.Module) -> bool:
 
 
 def _backend_of(callback):
-    """The backend a dynamo callback compiles with (what was given to torch.compile, resolved)."""
-    from torch._dynamo.eval_frame import innermost_backend
+    """The backend a dynamo callback compiles with (what was given to torch.compile, resolved).
 
-    return innermost_backend(callback)
+    Each layer of dynamo's callback keeps the one it wraps in `_torchdynamo_orig_backend`, down to
+    the backend itself (as torch._dynamo.eval_frame.innermost_backend walks it).
+    """
+    while hasattr(callback, "_torchdynamo_orig_backend"):
+        callback = callback._torchdynamo_orig_backend
+    return callback
