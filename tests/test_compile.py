@@ -258,9 +258,19 @@ def _record_backward_nodes(loss, timeline):
     return [node.register_prehook(record(node.name())) for node in backward_nodes(loss)]
 
 
+def _world_size_2_worker():
+    return {"parity": _parity_worker(), "overlap": _overlap_worker()}
+
+
 @pytest.fixture(scope="module")
-def parity():
-    return run_ranks(_parity_worker, 2, timeout=240)
+def world_size_2():
+    """Both workers' results from one launch (starting 2 processes costs more than the cases)."""
+    return run_ranks(_world_size_2_worker, 2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def parity(world_size_2):
+    return [rank_result["parity"] for rank_result in world_size_2]
 
 
 @needs_ddp_hookup
@@ -286,8 +296,8 @@ def test_graph_is_cut_into_pieces(parity, model, order):
 
 
 @pytest.fixture(scope="module")
-def overlap():
-    return run_ranks(_overlap_worker, 2, timeout=240)
+def overlap(world_size_2):
+    return [rank_result["overlap"] for rank_result in world_size_2]
 
 
 def _first(events, kind, **fields):
