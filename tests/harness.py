@@ -8,8 +8,8 @@ assert_dead() (no process outlives a failure).
 Workers are forked from the pytest process where that is safe (see worker_start_method): a spawned
 worker spends ~4 s of CPU importing torch, and ~3 s more in its first torch DDP constructor (which
 imports torch._dynamo); a forked one inherits both, so a 2-rank run starts in a fraction of a second
-instead of ~6 s on this 2-core machine. MINIDP_TEST_SPAWN=1 spawns them anyway (to tell whether a
-failure has to do with forking).
+instead of ~6 s on this 2-core machine. MINIDP_TEST_SPAWN=1 (set by tests/conftest.py for now)
+spawns them anyway.
 """
 from __future__ import annotations
 
@@ -28,38 +28,58 @@ import torch.distributed as dist
 import minidp
 
 _launch_module = importlib.import_module("minidp.launch")  # the module (minidp.launch is the function)
+_IMPORTED_BY = os.getpid()
+# This process's threads before any test ran (the main thread, numpy's OpenBLAS pool).
+_THREADS_AT_IMPORT = frozenset(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else frozenset()
+
+
+def no_new_threads() -> bool:
+    """True if no thread has been started in this process since the harness was imported (Linux)."""
+    try:
+        return bool(_THREADS_AT_IMPORT) and set(os.listdir("/proc/self/task")) <= _THREADS_AT_IMPORT
+    except OSError:
+        return False
 
 
 def worker_start_method() -> str:
-    """"fork" on a CPU-only machine with no process group in this process; else "spawn".
+    """"fork" where it is safe, else "spawn"; decided when the workers start.
 
-    Why not always fork: a process that has touched CUDA cannot fork workers that use it (and on a
-    CUDA machine tests/conftest.py hides the GPUs from CPU tests' children through an environment
-    variable that a forked child, its CUDA state inherited, would not read), and a process group
-    initialised in this process would be inherited by every worker.
+    Fork only when no thread has been started in this process since the harness was imported: a
+    thread running at the fork (gloo's, a compression worker's, a background reader's) may hold a
+    lock that no thread of the child will ever release, and the child hangs on it. Never after CUDA
+    is available (a process that has touched CUDA cannot fork workers that use it, and on a CUDA
+    machine tests/conftest.py hides the GPUs from CPU tests' children through an environment variable
+    that a forked child would not read), nor with a process group initialised here (every worker
+    would inherit it).
     """
     if os.environ.get("MINIDP_TEST_SPAWN") or torch.cuda.is_available() or dist.is_initialized():
         return "spawn"
-    return "fork"
+    return "fork" if no_new_threads() else "spawn"
+
+
+def _pick_start_method(_fn) -> str:
+    method = worker_start_method()
+    if method == "fork":  # torch DDP's constructor imports torch._dynamo (~3 s): once here, not in every worker
+        importlib.import_module("torch._dynamo")
+    return method
 
 
 @contextlib.contextmanager
 def workers_forked():
     """Inside the block, minidp.launch forks its workers where worker_start_method() allows.
 
-    minidp.launch itself picks spawn under pytest (its __main__ is a file): the choice is made here.
-    Yields the start method used.
+    minidp.launch itself picks spawn under pytest (its __main__ is a file): the choice is made here,
+    each time launch() starts workers.
     """
-    method = worker_start_method()
-    if method == "fork":
-        importlib.import_module("torch._dynamo")  # torch DDP's constructor imports it: once here, not per worker
-    with mock.patch.object(_launch_module, "start_method", lambda _fn: method):
-        yield method
+    with mock.patch.object(_launch_module, "start_method", _pick_start_method):
+        yield
 
 
-def _entry(local_rank, fn, args, out_dir, init_kwargs, forked):
+def _entry(local_rank, fn, args, out_dir, init_kwargs):
     torch.set_num_threads(1)  # 2 cores on this machine: one thread per rank
-    if forked:  # draw as a fresh process would: every rank its own unseeded state, not the parent's copy
+    if _IMPORTED_BY != os.getpid():
+        # Forked (a spawned worker imported this module itself): draw as a fresh process would, every
+        # rank its own unseeded state, not a copy of the parent's.
         torch.seed()
         random.seed()
         if "numpy" in sys.modules:
@@ -79,8 +99,8 @@ def run_ranks(fn, world_size, *args, timeout=120.0, init=True, collective_timeou
     `fn` must be a module-level function. With init=False, fn runs without a process group.
     """
     init_kwargs = {"timeout": collective_timeout} if init else None
-    with tempfile.TemporaryDirectory(prefix="minidp-test-") as out_dir, workers_forked() as method:
-        minidp.launch(_entry, world_size, args=(fn, args, out_dir, init_kwargs, method == "fork"), timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="minidp-test-") as out_dir, workers_forked():
+        minidp.launch(_entry, world_size, args=(fn, args, out_dir, init_kwargs), timeout=timeout)
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import minidp
-from harness import assert_dead, run_ranks, workers_forked, write_pid
+from harness import assert_dead, run_ranks, write_pid
 from minidp.launch import free_port
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
@@ -67,9 +67,8 @@ def test_two_nodes_on_localhost_and_local_rank_zero_first(tmp_path):
             errors.append(exc)
 
     threads = [threading.Thread(target=node, args=(n,)) for n in (0, 1)]
-    with workers_forked():  # nothing here depends on the start method: spawned launches run in test_readme
-        [t.start() for t in threads]
-        [t.join() for t in threads]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
     assert not errors, errors
     results = {r: json.load(open(tmp_path / f"{r}.json")) for r in range(4)}
     assert {r: (v["node_rank"], v["local_rank"]) for r, v in results.items()} == {
