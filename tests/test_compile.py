@@ -26,7 +26,8 @@ from minidp.engine import graph_split, planning
 from models import CNNWithBatchNorm
 
 # Until minidp.DDP runs its module through graph_split.ModuleRunner (the ddp.py change in the
-# report of issue 14.3), the tests through minidp.DDP cannot pass; remove this mark with that change.
+# report of issue 14.3), the tests through minidp.DDP cannot pass. With that change ddp.py imports
+# ModuleRunner and they run; then this mark can go.
 needs_ddp_hookup = pytest.mark.skipif(not hasattr(ddp_module, "ModuleRunner"),
                                       reason="minidp.DDP does not call graph_split.ModuleRunner yet")
 
@@ -46,7 +47,6 @@ class DeepMLP(nn.Module):
 
     def forward(self, x):
         return self.layers(x)
-
 
 
 def wrap(engine, order, module, **ddp_kwargs):
