@@ -34,11 +34,15 @@ _THREADS_AT_IMPORT = frozenset(os.listdir("/proc/self/task")) if os.path.isdir("
 
 
 def no_new_threads() -> bool:
-    """True if no thread has been started in this process since the harness was imported (Linux)."""
+    """True if this process runs no thread started since the harness was imported, or only one thread.
+
+    (Linux: /proc/self/task. A forked worker has one thread, its own, whatever its parent ran.)
+    """
     try:
-        return bool(_THREADS_AT_IMPORT) and set(os.listdir("/proc/self/task")) <= _THREADS_AT_IMPORT
+        threads = set(os.listdir("/proc/self/task"))
     except OSError:
         return False
+    return len(threads) == 1 or (bool(_THREADS_AT_IMPORT) and threads <= _THREADS_AT_IMPORT)
 
 
 def worker_start_method() -> str:

@@ -4,7 +4,6 @@ import os
 import runpy
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -55,21 +54,15 @@ def _append(path, line):
         f.write(line + "\n")
 
 
+def _node(port, out_dir, log_path):
+    """One "node": its own launcher process (as on its own machine), starting 2 local ranks of 4."""
+    minidp.launch(_node_worker, nprocs=2, args=(out_dir, log_path), nnodes=2, node_rank=int(os.environ["RANK"]),
+                  master_addr="127.0.0.1", master_port=port, timeout=120)
+
+
 def test_two_nodes_on_localhost_and_local_rank_zero_first(tmp_path):
-    port, log = free_port(), str(tmp_path / "events.log")
-    errors = []
-
-    def node(node_rank):
-        try:
-            minidp.launch(_node_worker, nprocs=2, args=(str(tmp_path), log), nnodes=2, node_rank=node_rank,
-                          master_addr="127.0.0.1", master_port=port, timeout=120)
-        except BaseException as exc:  # re-raised in the test's thread below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=node, args=(n,)) for n in (0, 1)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    assert not errors, errors
+    log = str(tmp_path / "events.log")
+    run_ranks(_node, 2, free_port(), str(tmp_path), log, init=False)  # the two launchers, no process group
     results = {r: json.load(open(tmp_path / f"{r}.json")) for r in range(4)}
     assert {r: (v["node_rank"], v["local_rank"]) for r, v in results.items()} == {
         0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
