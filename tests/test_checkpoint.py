@@ -182,18 +182,23 @@ def _saved_step(ckpt):
     return torch.load(io.BytesIO(read_verified(ckpt)), weights_only=True)["step"]
 
 
+def _resume_then_train_from_scratch(run_id, ckpt_path, log_path, full_ckpt_path, full_log_path):
+    """The last resumed run, then the uninterrupted reference run in the same processes (it seeds itself)."""
+    resumed = _resumable_training(run_id, ckpt_path, log_path, -1)
+    return resumed, _resumable_training("full", full_ckpt_path, full_log_path, -1)
+
+
 def test_kill_and_resume_is_bitwise_equal_and_serves_each_sample_once(tmp_path):
-    full = run_ranks(_resumable_training, 2, "full", str(tmp_path / "full.pt"), str(tmp_path / "full"), -1,
-                     timeout=120, collective_timeout=30)
     ckpt, log, saved = str(tmp_path / "c.pt"), str(tmp_path / "log"), [0]
     for i, kill_at in enumerate(KILLS):
         with pytest.raises(minidp.WorkerFailed, match="SIGKILL"):
             run_ranks(_resumable_training, 2, f"run{i}", ckpt, log, kill_at, timeout=120, collective_timeout=30)
         saved.append(_saved_step(ckpt))
         assert saved[-1] == kill_at - 1  # the killed step's work is lost, nothing else
-    resumed = run_ranks(_resumable_training, 2, f"run{len(KILLS)}", ckpt, log, -1, timeout=120,
-                        collective_timeout=30)
-    assert all(torch.equal(a, b) for a, b in zip(resumed[0], full[0]))
+    full_ckpt, full_log = str(tmp_path / "full.pt"), str(tmp_path / "full")
+    (resumed, full), _ = run_ranks(_resume_then_train_from_scratch, 2, f"run{len(KILLS)}", ckpt, log, full_ckpt,
+                                   full_log, timeout=120, collective_timeout=30)
+    assert all(torch.equal(a, b) for a, b in zip(resumed, full))
     saved.append(EPOCHS * SAMPLES // (2 * BATCH))  # the last run ends the training
     for rank in range(2):
         served, trained = _served(log, rank), {}
@@ -201,5 +206,5 @@ def test_kill_and_resume_is_bitwise_equal_and_serves_each_sample_once(tmp_path):
             steps = sorted(step for run, step in served if run == f"run{i}")
             assert steps[0] == saved[i] + 1, (rank, i, steps)  # each run went on from the last checkpoint
             trained.update({step: served[(f"run{i}", step)] for step in steps if step <= saved[i + 1]})
-        expected = {step: v for (_, step), v in _served(str(tmp_path / "full"), rank).items()}
+        expected = {step: v for (_, step), v in _served(full_log, rank).items()}
         assert trained == expected  # same samples, same order: none twice, none skipped
