@@ -28,7 +28,7 @@ SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 sys.path.insert(0, SCRIPTS)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-from processes import VENV_BIN, Command, Pool  # noqa: E402
+from processes import VENV_BIN, Command, Pool, clean_env  # noqa: E402
 
 import common  # noqa: E402 - examples/common.py: the synthetic images, the model
 
@@ -54,7 +54,8 @@ def _dali_example(tmp):
     cmd = [*PYTHON_M, "--standalone", "--nproc-per-node", "2", os.path.join("examples", "train_dali.py"), "--tiny",
            "--data", str(root), "--optimizer", "lamb", "--checkpoint", str(tmp / "dali"), "--report",
            str(tmp / "dali.json")]
-    return (lambda: [Command(cmd, ROOT, timeout=TIMEOUT_S)]), tmp / "dali.json"
+    # GPUs hidden, as tests/conftest.py hides them from a CPU test's children (this starts from a fixture).
+    return (lambda: [Command(cmd, ROOT, clean_env(CUDA_VISIBLE_DEVICES=""), timeout=TIMEOUT_S)]), tmp / "dali.json"
 
 
 def _check(tmp, name, *launch_options, nodes=1, fail_rank=None):
