@@ -3,10 +3,10 @@
 One launch per world size runs every case (process start-up dominates on 2 cores); the workers
 return what they saw and the tests below check it. Hooks run on both minidp.DDP and torch DDP.
 """
-import inspect
 import itertools
 import math
 import os
+import pickle
 
 import pytest
 import torch
@@ -18,7 +18,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
-from harness import run_ranks
+from harness import error_of, run_ranks
 from minidp import comm
 from minidp.comm.sign import chunk_size, signs_of
 from minidp.engine.hooks import GradBucket
@@ -298,15 +298,34 @@ def _residuals_survive_checkpoint(folder, steps=3):
     return out
 
 
-def _engine_transport():
-    """minidp.DDP(model, transport=comm.TorchDist()): the default path over a transport equals plain DDP.
+class CountingTorchDist(comm.TorchDist):
+    """TorchDist that counts its all-reduces: proof that the engine's buckets went over it."""
 
-    None until the engine takes the `transport=` keyword.
+    def __init__(self):
+        super().__init__()
+        self.all_reduces = 0
+
+    def all_reduce(self, tensor):
+        self.all_reduces += 1
+        return super().all_reduce(tensor)
+
+
+def _engine_transport():
+    """minidp.DDP(model, transport=...): the default path over a transport equals torch DDP, bitwise.
+
+    Returns (bitwise equal, all-reduces the transport carried, the errors for bad transports).
     """
-    if "transport" not in inspect.signature(minidp.DDP.__init__).parameters:
-        return None
     reference = _train(TorchDDP, ddp_kwargs=SMALL_BUCKETS)
-    return _same(reference, _train(minidp.DDP, ddp_kwargs={**SMALL_BUCKETS, "transport": comm.TorchDist()}))
+    transport = CountingTorchDist()
+    same = _same(reference, _train(minidp.DDP, ddp_kwargs={**SMALL_BUCKETS, "transport": transport}))
+    errors = {}
+    model = minidp.DDP(build("mlp"), transport=comm.TorchDist())
+    errors["pickle"] = error_of(lambda: pickle.dumps(model))
+    errors["type"] = error_of(lambda: minidp.DDP(build("mlp"), transport="nccl"))
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # ranks meet here: every rank makes each
+    one_rank = comm.TorchDist(groups[dist.get_rank()])
+    errors["size"] = error_of(lambda: minidp.DDP(build("mlp"), transport=one_rank))
+    return same, transport.all_reduces, errors
 
 
 def _world_of_two(folder):
@@ -412,6 +431,10 @@ def test_residuals_survive_save_and_load_checkpoint_bitwise(two):
 
 
 def test_engine_default_path_over_a_transport_equals_ddp(two):
-    if two[0]["engine_transport"] is None:
-        pytest.skip("minidp.DDP has no transport= keyword yet")
-    assert all(result["engine_transport"] for result in two)
+    for result in two:
+        same, all_reduces, errors = result["engine_transport"]
+        assert same
+        assert all_reduces >= 4  # every one of the 4 steps reduced its buckets over the transport
+        assert errors["pickle"][0] == "RuntimeError" and "cannot be pickled" in errors["pickle"][1]
+        assert errors["type"][0] == "TypeError" and "transport='nccl'" in errors["type"][1]
+        assert errors["size"][0] == "ValueError" and "spans 1 ranks" in errors["size"][1]

@@ -21,15 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
 from harness import run_ranks
-from minidp.engine import ddp as ddp_module
 from minidp.engine import graph_split, planning
 from models import CNNWithBatchNorm
-
-# Until minidp.DDP runs its module through graph_split.ModuleRunner (the ddp.py change in the
-# report of issue 14.3), the tests through minidp.DDP cannot pass. With that change ddp.py imports
-# ModuleRunner and they run; then this mark can go.
-needs_ddp_hookup = pytest.mark.skipif(not hasattr(ddp_module, "ModuleRunner"),
-                                      reason="minidp.DDP does not call graph_split.ModuleRunner yet")
 
 BACKEND = "aot_eager"
 LAYER_BYTES = (16 * 16 + 16) * 4  # one Linear(16, 16): a bucket, and a piece, of its own at this cap
@@ -273,7 +266,6 @@ def parity(world_size_2):
     return [rank_result["parity"] for rank_result in world_size_2]
 
 
-@needs_ddp_hookup
 @pytest.mark.parametrize("model", ["mlp", "cnn_bn"])
 @pytest.mark.parametrize("order", ["ddp_of_compiled", "compiled_ddp"])
 def test_bitwise_equal_to_torch_ddp_with_compile(parity, model, order):
@@ -285,7 +277,6 @@ def test_bitwise_equal_to_torch_ddp_with_compile(parity, model, order):
             assert torch.equal(a, b)
 
 
-@needs_ddp_hookup
 @pytest.mark.parametrize("model", ["mlp", "cnn_bn"])
 @pytest.mark.parametrize("order", ["ddp_of_compiled", "compiled_ddp"])
 def test_graph_is_cut_into_pieces(parity, model, order):
@@ -304,7 +295,6 @@ def _first(events, kind, **fields):
     return next(stamp for k, stamp, f in events if k == kind and all(f.get(a) == b for a, b in fields.items()))
 
 
-@needs_ddp_hookup
 @pytest.mark.parametrize("order", ["ddp_of_compiled", "compiled_ddp"])
 def test_bucket_0_launches_during_backward(overlap, order):
     for rank_result in overlap:
@@ -317,7 +307,6 @@ def test_bucket_0_launches_during_backward(overlap, order):
         assert any("CompiledFunction" in name for name in later), later  # compiled backward still running
 
 
-@needs_ddp_hookup
 @pytest.mark.parametrize("order", ["ddp_of_compiled", "compiled_ddp"])
 def test_control_whole_graph_has_no_backward_after_launch(overlap, order):
     """The witness works: with the graph whole, all backward compute is over before bucket 0 launches."""

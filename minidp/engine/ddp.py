@@ -18,6 +18,7 @@ from torch.nn.utils.rnn import PackedSequence
 from ..validate import check_bool, check_number
 from . import debug as debug_mode
 from .collectives import broadcast_coalesced, check_same_across_ranks
+from .graph_split import ModuleRunner, forward_outside_dynamo
 from .hooks import check_comm_hook
 from .join import JoinableDDP, broadcast_from_last_trainer, vote_to_sync
 from .reducer import Reducer
@@ -44,6 +45,9 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         static_graph: accepted; selects the same bucket policy as find_unused_parameters=False.
         debug: check every step that all ranks reduce the same thing (see debug.py).
             Default None: on when the environment has MINIDP_DEBUG=1.
+        transport: a minidp.comm transport (e.g. comm.CupyNccl(), comm.TorchDist(group)) that carries
+            the default all-reduce instead of process_group; same arithmetic, other wires. Default
+            None: process_group. (A registered comm hook replaces the default path, transport too.)
 
     Example:
         env = minidp.init()
@@ -55,7 +59,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
                  broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False, debug: bool | None = None, **unsupported):
+                 static_graph: bool = False, debug: bool | None = None, transport=None, **unsupported):
         super().__init__()
         JoinableDDP.__init__(self)
         flags = dict(broadcast_buffers=broadcast_buffers, init_sync=init_sync, static_graph=static_graph, debug=debug,
@@ -76,6 +80,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self.divide_by_initial_world_size = True  # set by join_hook(), under join()
         self.debug = debug_mode.debug_from_env() if debug is None else debug
         self.has_buffers = any(True for _ in module.buffers())  # else skip the walk on every forward
+        self.transport = _check_transport(transport, module, process_group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._verify_across_ranks(named, bucket_cap_mb)
         if not named:
@@ -85,6 +90,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             states = [p for _, p in module.named_parameters()] + list(module.buffers())
             broadcast_coalesced(states, process_group)  # ranks meet here: rank 0's weights win
         self._build_reducer()
+        self._run_module = ModuleRunner(module, bucket_cap_mb)  # the module; compiled, in bucket-sized pieces
 
     def _build_reducer(self) -> None:
         """The reducer, on this rank's parameters: at construction, and again after unpickling."""
@@ -93,7 +99,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             [p for _, p in named], [n for n, _ in named], process_group=self.process_group,
             bucket_cap_mb=self.bucket_cap_mb, find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=self.static_graph, debug=self.debug,
-            expect_sparse_gradient=Reducer.sparse_gradient_flags(self.module, [p for _, p in named]))
+            expect_sparse_gradient=Reducer.sparse_gradient_flags(self.module, [p for _, p in named]),
+            transport=self.transport)
 
     def __getstate__(self) -> dict:
         """Pickle (torch.save(model), copy.deepcopy) without the process group and reducer, as DDP does.
@@ -104,6 +111,9 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         if self.process_group is not None and self.process_group != dist.group.WORLD:
             raise RuntimeError("minidp.DDP can be pickled only on the default process group (as torch DDP): "
                                f"this one was built with process_group={self.process_group!r}")
+        if self.transport is not None:
+            raise RuntimeError(f"a minidp.DDP built with transport={self.transport!r} cannot be pickled: the "
+                               "transport holds live communicators. Save model.module.state_dict() instead.")
         state = dict(self.__dict__)
         del state["process_group"], state["reducer"]
         return state
@@ -124,7 +134,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         records += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in self.module.named_buffers()]
         records.append(("settings", f"bucket_cap_mb={bucket_cap_mb}",
                         f"find_unused_parameters={self.find_unused_parameters}",
-                        f"gradient_as_bucket_view={self.gradient_as_bucket_view}"))
+                        f"gradient_as_bucket_view={self.gradient_as_bucket_view}",
+                        f"transport={type(self.transport).__name__ if self.transport is not None else None}"))
         # Ranks meet here. A differing setting (e.g. bucket_cap_mb) would give different buckets
         # from iteration 2 on, and sums of unrelated gradients: refuse before iteration 1.
         device = next((p.device for _, p in named), None)  # under NCCL the check runs on the module's GPU
@@ -132,11 +143,14 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
 
     def forward(self, *inputs, **kwargs):
         """Three steps: the collectives before the module, the module, then arm the reducer for backward."""
+        if torch.compiler.is_compiling():
+            # torch.compile(minidp.DDP(m)) traces this: run it as Python, the module compiled (graph_split.py).
+            return torch.compiler.disable(forward_outside_dynamo, recursive=False)(self, inputs, kwargs)
         syncing = torch.is_grad_enabled() and self.require_backward_grad_sync
         divisor_work = self._pre_forward(syncing)
         if self.input_device is not None:
             inputs, kwargs = move_inputs(inputs, self.input_device), move_inputs(kwargs, self.input_device)
-        output = self.module(*inputs, **kwargs)
+        output = self._run_module(*inputs, **kwargs)
         # As in DDP, whether the *next* forward broadcasts buffers depends on this one syncing.
         self.require_forward_param_sync = syncing
         if syncing:
@@ -242,6 +256,22 @@ def _check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsuppor
     for name, value in unsupported.items():
         if value not in (None, False):
             raise ValueError(f"minidp.DDP does not support {name}={value!r}")
+
+
+def _check_transport(transport, module: nn.Module, process_group):
+    """The transport for the default all-reduce (None: process_group): a minidp.comm one, for this module's ranks."""
+    if transport is None:
+        return None
+    from ..comm.transports import Transport  # here: minidp.comm is not needed by the plain engine
+    if not isinstance(transport, Transport):
+        raise TypeError(f"transport={transport!r} must be a minidp.comm transport (comm.TorchDist(), "
+                        "comm.CupyNccl()) or None")
+    if transport.world_size != dist.get_world_size(process_group):
+        raise ValueError(f"transport={transport!r} spans {transport.world_size} ranks, but process_group has "
+                         f"{dist.get_world_size(process_group)}: it must carry the same ranks")
+    device = next(module.parameters()).device
+    transport.check_device(device)  # ValueError naming the transport and the device
+    return transport
 
 
 def _check_devices(module, device_ids) -> torch.device | None:

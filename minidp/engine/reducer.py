@@ -46,15 +46,21 @@ class Reducer:
         debug: debug mode's consistency checks (see check_consistency). Default False.
         expect_sparse_gradient: by parameter, whether its gradient is sparse
             (planning.sparse_gradient_flags). Default: none is.
+        transport: a minidp.comm transport for the default path's all-reduce. Default None: process_group.
     """
 
     def __init__(self, params, names, *, process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
-                 gradient_as_bucket_view=False, static_graph=False, debug=False, expect_sparse_gradient=()):
+                 gradient_as_bucket_view=False, static_graph=False, debug=False, expect_sparse_gradient=(),
+                 transport=None):
         self.params, self.names, self.process_group = list(params), list(names), process_group
         self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self.device = self.params[0].device
         self.sparse = list(expect_sparse_gradient) or [False] * len(self.params)
         planning.check_sparse_backend(self.params, self.names, self.sparse, dist.get_backend(process_group))
+        if transport is not None and any(self.sparse):
+            raise ValueError(f"transport={transport!r} carries dense buckets only, but parameter "
+                             f"{self.names[self.sparse.index(True)]} has a sparse gradient")
+        self.transport = transport  # None: the default path's all-reduce runs on process_group
         self.bucket_cap_mb, self.find_unused_parameters = bucket_cap_mb, find_unused_parameters
         self.gradient_as_bucket_view, self.debug = gradient_as_bucket_view, debug
         self.comm_hook, self.comm_state = None, None  # None: the default path (allreduce_sum_hook)
@@ -267,6 +273,8 @@ class Reducer:
         """Start reducing `buffer` as `bucket` through the comm hook; the one place a GradBucket is made."""
         grad_bucket = GradBucket(bucket.index, buffer, [self.params[i] for i in bucket.param_indices],
                                  bucket.offsets, is_last=bucket.index == len(self.buckets) - 1)
+        if self.comm_hook is None and self.transport is not None:
+            return self.transport.all_reduce(buffer)  # ranks meet here (async), on the transport's wires
         if self.comm_hook is None:
             return allreduce_sum_hook(self.process_group, grad_bucket)  # ranks meet here (async)
         return call_comm_hook(self.comm_hook, self.comm_state, grad_bucket)  # ranks meet here (async)
