@@ -14,10 +14,11 @@ torch.set_num_threads(1)
 # wants NCCL says so: minidp.init(backend="nccl") (an explicit backend= wins over the variable).
 os.environ.setdefault("MINIDP_BACKEND", "gloo")
 
-# Workers are spawned, not forked from the pytest process: forking a process that runs other
-# threads (gloo's, a background command's reader) can leave a child waiting on a lock that no
-# thread of it will ever release. A forked 2-rank run hung that way in a full run of the suite.
-os.environ.setdefault("MINIDP_TEST_SPAWN", "1")
+# Test workers are forked from this process while it runs no thread of its own (harness.py decides at
+# each launch; MINIDP_TEST_SPAWN=1 spawns them always). A few tests start threads here that live on
+# (dynamo's compile leaves the autograd engine's device threads, a DALI pipeline its executor's):
+# their files run last, so every test before them can fork. See pytest_collection_modifyitems.
+LEAVE_THREADS = ("test_compile.py", "test_dali.py")
 
 
 @pytest.fixture(autouse=True)
@@ -34,9 +35,18 @@ def _cpu_children_unless_gpu_test(request, monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name in LEAVE_THREADS)  # stable: file order kept otherwise
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How the harness started its workers: a spawn where a fork was expected is a slow suite."""
+    harness = sys.modules.get("harness")
+    if harness is not None:
+        counts = harness.START_METHODS
+        terminalreporter.write_line(f"test workers: {counts['fork']} launches forked, {counts['spawn']} spawned")

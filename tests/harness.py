@@ -8,8 +8,7 @@ assert_dead() (no process outlives a failure).
 Workers are forked from the pytest process where that is safe (see worker_start_method): a spawned
 worker spends ~4 s of CPU importing torch, and ~3 s more in its first torch DDP constructor (which
 imports torch._dynamo); a forked one inherits both, so a 2-rank run starts in a fraction of a second
-instead of ~6 s on this 2-core machine. MINIDP_TEST_SPAWN=1 (set by tests/conftest.py for now)
-spawns them anyway.
+instead of ~6 s on this 2-core machine. MINIDP_TEST_SPAWN=1 in the environment spawns them always.
 """
 from __future__ import annotations
 
@@ -61,8 +60,12 @@ def worker_start_method() -> str:
     return "fork" if no_new_threads() else "spawn"
 
 
+START_METHODS: dict[str, int] = {"fork": 0, "spawn": 0}  # launches so far, by start method (conftest reports)
+
+
 def _pick_start_method(_fn) -> str:
     method = worker_start_method()
+    START_METHODS[method] += 1
     if method == "fork":  # torch DDP's constructor imports torch._dynamo (~3 s): once here, not in every worker
         importlib.import_module("torch._dynamo")
     return method

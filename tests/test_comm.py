@@ -83,6 +83,7 @@ def test_a_compressor_refuses_a_non_float_bucket():
     with pytest.raises(TypeError, match=r"compressor=TopK\(ratio=0.5\) needs a floating-point bucket, got dtype "
                                         r"torch.int64"):
         hook(state, bucket)
+    assert state._thread is None  # refused before a worker thread started
 
 
 def test_a_transport_refuses_tensors_on_the_wrong_device():
@@ -136,6 +137,8 @@ def test_measured_bytes_equal_analytical_and_one_rank_keeps_its_gradient_shape(n
     assert stats["bytes_sent"] == state.bytes_analytical == dense + 2 * ALL[name]().payload_bytes(
         [torch.Size([600]), torch.Size([397])], torch.float32, 1)
     assert stats["ratio"] == stats["bytes_sent"] / stats["bytes_dense"]
+    state.close()  # the worker thread ends: no thread left behind in the pytest process
+    assert state._thread is None
 
 
 def test_error_feedback_residual_is_what_was_not_sent():
@@ -147,6 +150,12 @@ def test_error_feedback_residual_is_what_was_not_sent():
     residual = torch.cat([state.state_dict()["memory"]["residuals"]["pieces"][state.key_of(p)]
                           for p in bucket.parameters()])
     assert torch.equal(sent + residual, x)
+    thread = state._thread
+    state.close()
+    assert not thread.is_alive()
+    again = hook(state, _bucket(seed=1)).wait()  # a bucket after close() starts a new worker thread
+    assert (again != 0).sum() == 99 and state._thread is not thread
+    state.close()
 
 
 def test_sign_bits_pack_eight_to_a_byte_and_zero_counts_as_plus():

@@ -94,7 +94,11 @@ class CompressionState:
 
     def _work(self) -> None:
         while True:
-            job, compress, future, stream = self._queue.get()
+            item = self._queue.get()
+            if item is None:  # close()
+                self._queue.task_done()
+                return
+            job, compress, future, stream = item
             try:
                 if self._error:  # a failed bucket leaves the ranks out of step: do not start more collectives
                     raise RuntimeError(f"compression_hook: an earlier bucket failed: {self._error}")
@@ -153,6 +157,17 @@ class CompressionState:
         if self.memory is not None:
             self.memory.load_state_dict(state["memory"])
         self.compressor.load_state_dict(state["compressor"])
+
+    def close(self) -> None:
+        """Stop the worker thread once the queued buckets are done; a later bucket starts a new one.
+
+        For a process that goes on without the hook (e.g. after training, or before os.fork(): a
+        thread running at a fork can leave the child waiting on a lock nobody releases).
+        """
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
 
     def __repr__(self) -> str:
         return (f"CompressionState(compressor={self.compressor!r}, memory={self.memory!r}, "
