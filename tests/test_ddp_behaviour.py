@@ -177,7 +177,11 @@ def test_errors_on_every_rank(two_ranks, case, error, words):
 
 # Constructor checks that need no process group: they raise before any collective, in this process.
 NO_GROUP_CASES = [
-    ("bucket_cap_mb_str", dict(bucket_cap_mb="25"), TypeError, ["bucket_cap_mb='25' must be a number"]),
+    # "auto" is the one string (autotune): any other is a bad value, naming it.
+    ("bucket_cap_mb_str", dict(bucket_cap_mb="25"), ValueError, ["bucket_cap_mb='25' must be a number", '"auto"']),
+    ("bucket_cap_mb_auto_typo", dict(bucket_cap_mb="Auto"), ValueError, ["bucket_cap_mb='Auto'", '"auto"']),
+    ("bucket_cap_mb_inf", dict(bucket_cap_mb=float("inf")), ValueError, ["bucket_cap_mb=inf must be finite"]),
+    ("bucket_cap_mb_list", dict(bucket_cap_mb=[25]), TypeError, ["bucket_cap_mb=[25] must be a number"]),
     ("bucket_cap_mb_nan", dict(bucket_cap_mb=float("nan")), ValueError, ["bucket_cap_mb=nan must not be NaN"]),
     ("bucket_cap_mb_bool", dict(bucket_cap_mb=True), TypeError, ["bucket_cap_mb=True"]),
     ("flag_str", dict(find_unused_parameters="yes"), TypeError, ["find_unused_parameters='yes'", "True or False"]),

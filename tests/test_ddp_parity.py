@@ -1,5 +1,7 @@
 """minidp.DDP against torch DDP, side by side in the same processes, and against one process.
 
+World size 1 too: there minidp communicates and copies nothing on the default path (the average
+of one gradient is itself), while torch DDP copies and all-reduces; the results must still be equal.
 Each world size runs every scenario in one launch (process start-up dominates on 2 cores): both
 engines train the same model from the same (deliberately perturbed per rank) initial weights on the
 same shards, and we compare parameters and buffers after the last step.
@@ -126,7 +128,7 @@ def _all_scenarios():
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"world{n}")
 def results(request):
     return request.param, run_ranks(_all_scenarios, request.param, timeout=400)
 

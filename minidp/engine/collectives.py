@@ -31,6 +31,8 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group=None, src: int = 
     chunks of up to `chunk_bytes`, broadcast once per chunk and unpacked: BatchNorm's float and
     int64 buffers interleave, and packing by run would cost one collective per layer.
     """
+    if dist.get_world_size(group) == 1:
+        return  # one rank: it is the source
     is_src = dist.get_rank(group) == src
     src = global_rank(group, src)
     for chunk in flat_chunks(tensors, chunk_bytes):
@@ -119,6 +121,8 @@ def check_same_across_ranks(what: str, records: list, group=None, device=None) -
         device: where to stage the collectives under NCCL; pass the module's device. Default None
             (the current CUDA device under NCCL; the CPU under gloo).
     """
+    if dist.get_world_size(group) == 1:
+        return  # one rank agrees with itself
     device = collective_device(group, device)
     digest = hashlib.sha256(pickle.dumps(records, protocol=PICKLE_PROTOCOL)).digest()
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)

@@ -7,6 +7,7 @@ The gradient averaging itself lives in reducer.py.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 import torch
@@ -38,7 +39,9 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             forward. Default True.
         init_sync: broadcast rank 0's parameters and buffers at construction. Default True.
         process_group: the group to average over. Default: the world.
-        bucket_cap_mb: bucket size in MiB. Default None: 25 MiB, first bucket 1 MiB (DDP's).
+        bucket_cap_mb: bucket size in MiB, or "auto": time a few caps in the first iterations and keep
+            the fastest, rank 0's choice on every rank (autotune.py; see `auto_bucket_cap`).
+            Default None: 25 MiB, first bucket 1 MiB (DDP's).
         find_unused_parameters: parameters that get no gradient are reduced as zeros. Default False.
         check_reduction: ignored (deprecated in torch too).
         gradient_as_bucket_view: `.grad` tensors become views into the buckets. Default False.
@@ -48,6 +51,11 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         transport: a minidp.comm transport (e.g. comm.CupyNccl(), comm.TorchDist(group)) that carries
             the default all-reduce instead of process_group; same arithmetic, other wires. Default
             None: process_group. (A registered comm hook replaces the default path, transport too.)
+
+    At world size 1 on the default path (no comm hook, no transport) nothing is communicated or
+    copied: no broadcast, no buffers, no status exchange; gradients stay where autograd put them
+    (the average over one rank is the gradient itself, bitwise what torch DDP computes). A comm hook
+    registered at world size 1 still gets every bucket.
 
     Example:
         env = minidp.init()
@@ -90,7 +98,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             states = [p for _, p in module.named_parameters()] + list(module.buffers())
             broadcast_coalesced(states, process_group)  # ranks meet here: rank 0's weights win
         self._build_reducer()
-        self._run_module = ModuleRunner(module, bucket_cap_mb)  # the module; compiled, in bucket-sized pieces
+        # The module; compiled, in bucket-sized pieces (cut at the default caps while "auto" is undecided).
+        self._run_module = ModuleRunner(module, None if bucket_cap_mb == "auto" else bucket_cap_mb)
 
     def _build_reducer(self) -> None:
         """The reducer, on this rank's parameters: at construction, and again after unpickling."""
@@ -238,6 +247,16 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         """Parameter names per bucket, in launch order."""
         return self.reducer.bucket_plan()
 
+    @property
+    def auto_bucket_cap(self):
+        """With bucket_cap_mb="auto", the tuner (autotune.AutoCap: `.chosen`, `.medians()`); else None."""
+        return self.reducer.tuner
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where join()'s votes run: the module's device (there may be no bucket at world size 1)."""
+        return self.reducer.device
+
 
 DDP = DistributedDataParallel
 
@@ -251,8 +270,12 @@ def _check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsuppor
             check_bool(name, flag)
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group={process_group!r} must be a torch.distributed.ProcessGroup or None")
-    if bucket_cap_mb is not None:  # MiB; None: DDP's default (25, first bucket 1)
+    if isinstance(bucket_cap_mb, str) and bucket_cap_mb != "auto":
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number of MiB > 0, None or \"auto\"")
+    if bucket_cap_mb is not None and bucket_cap_mb != "auto":  # MiB; None: DDP's default (25, first bucket 1)
         check_number("bucket_cap_mb", bucket_cap_mb, positive=True)
+        if not math.isfinite(bucket_cap_mb):
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be finite (a number of MiB)")
     for name, value in unsupported.items():
         if value not in (None, False):
             raise ValueError(f"minidp.DDP does not support {name}={value!r}")

@@ -17,6 +17,8 @@ an order that depends on where it sits in the buffer):
   * after the first iteration the order is the order gradients became ready, and nothing is
     sorted or reversed.
 
+With bucket_cap_mb="auto", `AutoCap` picks the cap (see its docstring).
+
 `build_buckets` then allocates one flat buffer per planned bucket, and the views through which each
 parameter's gradient is read and written (`flat_view`); `write_back` gives each parameter its
 reduced gradient from a bucket's result.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -238,3 +241,98 @@ def check_sparse_backend(params: list, names: list, sparse: Sequence[bool], back
                 f"parameter {name!r} gets sparse gradients (nn.Embedding/EmbeddingBag with sparse=True) on "
                 f"{p.device.type}, where the process group's backend is {used!r}: only gloo can all-reduce "
                 "sparse tensors. Use sparse=False, or a gloo process group.")
+
+
+# ---- bucket_cap_mb="auto" -------------------------------------------------------------------------
+
+CANDIDATE_CAPS_MB = (1, 5, 25, 100)
+STEPS = 3  # timed steps per candidate (after one untimed step)
+
+
+class AutoCap:
+    """bucket_cap_mb="auto": time a few bucket caps during the first iterations, keep the fastest.
+
+    Which cap is fastest depends on the model, the batch, the machine and the network: small buckets
+    start communicating early (more overlap with backward) but pay a fixed cost per collective; large
+    ones pay it rarely but start late. Horovod's autotune measures its fusion buffer size the same way;
+    torch DDP has no such thing (its default, 25 MiB with a 1 MiB first bucket, is one of the candidates
+    here in spirit: 1 and 25 are both tried).
+
+    How, as the reducer runs it (Reducer.maybe_rebuild, before each forward that may sync):
+      * the first iteration runs as torch DDP's does (one bucket, or the construction layout with
+        find_unused_parameters); from the next forward on, each candidate cap in turn lays out the
+        buckets (`plan_for(cap)`: the layout torch DDP would use with that cap) for one untimed step
+        (fresh buffers) and STEPS timed ones;
+      * candidates whose layout equals an earlier candidate's are skipped (the same buckets run the same);
+      * a step is the time between two forwards that follow completed synced iterations, so it holds
+        forward, backward, the communication left at its end, and the optimizer step;
+      * when every candidate has been timed, each rank takes rank 0's fastest (a broadcast: one
+        decision, so every rank's buckets stay the same), and the layout stays for the rest of training.
+    Every rank switches at the same completed-iteration count (failed iterations do not count, on any
+    rank), so the ranks' layouts change together. Rank 0's clock decides; the broadcast is the reducer's.
+
+    Args:
+        candidates: bucket caps to try, in MiB. Default None: CANDIDATE_CAPS_MB (read when built).
+        steps: timed steps per candidate. Default None: STEPS.
+    """
+
+    def __init__(self, candidates=None, steps: int | None = None):
+        self.candidates = list(CANDIDATE_CAPS_MB if candidates is None else candidates)
+        self.steps = STEPS if steps is None else steps
+        self.index = 0             # the candidate being timed
+        self.chosen = None         # the cap adopted for good (None while tuning)
+        self.step_times = {}       # cap -> this rank's timed step seconds
+        self._stamps = []          # clock readings at this candidate's step boundaries
+        self._seen = None          # the reducer's completed count at the last call
+        self._distinct = None      # candidates left after dropping repeated layouts
+
+    @property
+    def cap(self) -> float:
+        """The cap in use now: the candidate being timed, or the chosen one."""
+        return self.chosen if self.chosen is not None else self.candidates[self.index]
+
+    def step(self, completed: int, plan_for) -> float | None:
+        """Called before every forward that may sync: the cap to use from this forward on, or None
+        once every candidate has been timed (the caller then adopts rank 0's `fastest()`).
+
+        Args:
+            completed: iterations completed on every rank so far (the reducer's count).
+            plan_for: cap -> bucket layout (to skip candidates that lay out the same buckets).
+        """
+        if self.chosen is not None or completed == self._seen:
+            return self.cap  # decided, or no iteration finished since the last call (no_sync, eval)
+        self._seen = completed
+        if self._distinct is None:
+            self._start(plan_for)
+            if len(self._distinct) == 1:
+                return None  # every candidate lays out the same buckets: nothing to time
+        self._stamps.append(time.perf_counter())
+        if len(self._stamps) < self.steps + 2:  # one untimed step, then `steps` timed ones
+            return self.cap
+        self.step_times[self.cap] = [b - a for a, b in zip(self._stamps[1:], self._stamps[2:])]
+        later = [i for i in self._distinct if i > self.index]
+        if later:
+            self.index = later[0]
+            self._stamps = [time.perf_counter()]
+            return self.cap
+        return None
+
+    def medians(self) -> dict:
+        """This rank's median step seconds per timed cap."""
+        return {cap: sorted(t)[len(t) // 2] for cap, t in self.step_times.items()}
+
+    def _start(self, plan_for) -> None:
+        plans, self._distinct = [], []
+        for i, cap in enumerate(self.candidates):
+            plan = plan_for(cap)
+            if plan not in plans:
+                plans.append(plan)
+                self._distinct.append(i)
+        self.index = self._distinct[0]
+
+    def fastest(self) -> int:
+        """The index (into candidates) of the cap with this rank's shortest median step."""
+        medians = self.medians()
+        if not medians:  # a single distinct layout
+            return self._distinct[0]
+        return self.candidates.index(min(medians, key=medians.get))

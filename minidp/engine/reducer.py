@@ -12,11 +12,17 @@ One iteration, as the code runs it:
      left, waits for every bucket, exchanges the iteration's status (did every rank's backward
      succeed?) and writes the averaged gradients back.
 
+World size 1 on the default path (no comm hook, no transport): averaging over one rank is the
+identity, so nothing is copied or communicated; the hooks only check and record (the unused-parameter
+error, the timeline), the gradients stay where autograd put them (`reduce_locally`).
+
 A backward that raises (an error in the model, an out-of-memory caught and retried) skips step 4
 on that rank, possibly after launching some buckets; `prepare_for_forward` keeps the ranks in step.
 The bucket layout, the buffers and the write-back of a reduced buffer into `.grad` are in planning.py.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -61,11 +67,13 @@ class Reducer:
             raise ValueError(f"transport={transport!r} carries dense buckets only, but parameter "
                              f"{self.names[self.sparse.index(True)]} has a sparse gradient")
         self.transport = transport  # None: the default path's all-reduce runs on process_group
-        self.bucket_cap_mb, self.find_unused_parameters = bucket_cap_mb, find_unused_parameters
-        self.gradient_as_bucket_view, self.debug = gradient_as_bucket_view, debug
+        self.find_unused_parameters, self.gradient_as_bucket_view = find_unused_parameters, gradient_as_bucket_view
+        self.debug = debug
         self.comm_hook, self.comm_state = None, None  # None: the default path (allreduce_sum_hook)
+        # One rank, default path: the average is the gradient itself; no buffers, copies or collectives.
+        self.reduce_locally = self.world_size == 1 and transport is None
         self.timeline = None  # a minidp.timeline.Timeline while recording, else None (zero cost)
-        self.iteration = 0  # synced backwards prepared so far
+        self.iteration, self.completed = 0, 0  # synced backwards prepared / completed on every rank
         # Gradients are divided by `divisor` (multiplied by `scale` = 1/divisor, in float64 as DDP's
         # reciprocal): the world size, or under join() a count on the device.
         self.divisor, self.scale, self.divisor_work = self.world_size, 1.0 / self.world_size, None
@@ -73,13 +81,19 @@ class Reducer:
         # reducing: a gradient hook fired in this iteration, so collectives may be in flight; the
         # iteration is open until _finalize (or, after a failed backward, prepare_for_forward) closes it.
         self.reducing, self.ready, self.next_bucket = False, [False] * len(self.params), 0
+        # Small gradients cost a Python-issued op each: they are copied in one batch at launch.
+        self.small = [p.numel() < SMALL_GRAD_NUMEL for p in self.params]
         # torch's condition: rebuild the buckets once, in gradient-ready order, after the first iteration.
-        needs_rebuild = static_graph or not find_unused_parameters
-        self.rebuild_pending, self.ready_order = needs_rebuild, []  # ready_order: for the rebuild
-        limits = planning.bucket_limits(bucket_cap_mb, first_iteration=True, needs_rebuild=needs_rebuild)
+        self.needs_rebuild = static_graph or not find_unused_parameters
+        self.rebuild_pending, self.ready_order = self.needs_rebuild, []  # ready_order: for the rebuild
+        # bucket_cap_mb="auto": the tuner picks the cap in the first iterations (autotune.py).
+        self.tuner = planning.AutoCap() if bucket_cap_mb == "auto" else None
+        self.bucket_cap_mb = self.tuner.cap if self.tuner else bucket_cap_mb  # the cap in use
+        limits = planning.bucket_limits(self.bucket_cap_mb, first_iteration=True, needs_rebuild=self.needs_rebuild)
         self._build(planning.plan_initial(*self._sizes_and_keys(), limits, self.sparse))
         for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            # The bound method itself, with its index: one Python frame per gradient.
+            p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
 
     sparse_gradient_flags = staticmethod(planning.sparse_gradient_flags)  # for the wrapper's call
 
@@ -92,6 +106,9 @@ class Reducer:
             raise RuntimeError("register_comm_hook can only be called once: a communication hook is "
                                f"registered already ({hook_name(self.comm_hook)})")
         self.comm_hook, self.comm_state = hook, state
+        if self.reduce_locally:  # world size 1: now there are buckets, and the hook sees every one (DDP)
+            self.reduce_locally = False
+            self._build(self.layout)
 
     def check_consistency(self, phase: int) -> None:
         """Debug mode: every rank checks that all are in the same iteration with the same buckets.
@@ -100,11 +117,11 @@ class Reducer:
             phase: debug.FORWARD (before a syncing forward's collectives) or debug.BACKWARD (before
                 the first bucket). Without debug mode, nothing.
         """
-        if not self.debug:
-            return
+        if not self.debug or self.world_size == 1:
+            return  # one rank agrees with itself
         # Before a forward, the iteration it starts; before the first bucket, the one under way.
         iteration, bucket = (self.iteration, 0) if phase == debug_mode.BACKWARD else (self.iteration + 1, None)
-        debug_mode.check(phase, iteration, self.plan(), self.process_group, self.device, bucket,
+        debug_mode.check(phase, iteration, self.layout, self.process_group, self.device, bucket,
                          self.describe_bucket)  # ranks meet here (debug mode only)
 
     # ---- bucket layout -------------------------------------------------------------------------
@@ -113,7 +130,13 @@ class Reducer:
         return [p.numel() * p.element_size() for p in self.params], [(p.dtype, p.device) for p in self.params]
 
     def _build(self, plan: list[list[int]]) -> None:
-        self.buckets = planning.build_buckets(plan, self.params, self.sparse)
+        """Adopt a layout: its buffers, unless the gradients are reduced locally (then the plan alone)."""
+        self.layout = [list(indices) for indices in plan]  # parameter indices per bucket, in launch order
+        self.bucket_index_of = [0] * len(self.params)  # for the timeline's "grad_ready"
+        for b, indices in enumerate(self.layout):
+            for i in indices:
+                self.bucket_index_of[i] = b
+        self.buckets = [] if self.reduce_locally else planning.build_buckets(plan, self.params, self.sparse)
         self.bucket_of, self.slot_of = [None] * len(self.params), [0] * len(self.params)
         for bucket in self.buckets:
             for slot, i in enumerate(bucket.param_indices):
@@ -125,22 +148,44 @@ class Reducer:
 
     def bucket_plan(self) -> list[list[str]]:
         """The current layout by parameter name, in launch order (for reading and tests)."""
-        return [[self.names[i] for i in b.param_indices] for b in self.buckets]
+        return [[self.names[i] for i in indices] for indices in self.layout]
 
     def maybe_rebuild(self) -> bool:
-        """After the first synced iteration, re-plan buckets in gradient-ready order (once)."""
-        if not self.rebuild_pending or not self.ready_order:
-            return False
-        if len(self.ready_order) != len(self.params):
-            raise RuntimeError(f"minidp: cannot rebuild buckets: {len(self.ready_order)} of "
-                               f"{len(self.params)} gradients were recorded in the first iteration")
-        order = torch.tensor(self.ready_order, dtype=torch.int64, device=self.device)
-        # Ranks meet here: all ranks adopt rank 0's order, so their layouts agree.
-        dist.broadcast(order, src=global_rank(self.process_group, 0), group=self.process_group)
-        limits = planning.bucket_limits(self.bucket_cap_mb, first_iteration=False, needs_rebuild=True)
-        self._build(planning.plan_rebuilt(*self._sizes_and_keys(), limits, order.tolist(), self.sparse))
-        self.rebuild_pending, self.ready_order = False, []
-        return True
+        """Before a forward: re-plan after the first synced iteration (once), and step the cap tuner."""
+        rebuilt = self.rebuild_pending and bool(self.ready_order)
+        if rebuilt:
+            if len(self.ready_order) != len(self.params):
+                raise RuntimeError(f"minidp: cannot rebuild buckets: {len(self.ready_order)} of "
+                                   f"{len(self.params)} gradients were recorded in the first iteration")
+            order = torch.tensor(self.ready_order, dtype=torch.int64, device=self.device)
+            if self.world_size > 1:  # ranks meet here: all ranks adopt rank 0's order, so their layouts agree
+                dist.broadcast(order, src=global_rank(self.process_group, 0), group=self.process_group)
+            self.rebuilt_order, self.rebuild_pending, self.ready_order = order.tolist(), False, []
+            self._build(self.plan_for(self.bucket_cap_mb))
+        if self.tuner is not None and not self.rebuild_pending:
+            self._tune()
+        return rebuilt
+
+    def plan_for(self, bucket_cap_mb) -> list[list[int]]:
+        """The layout torch DDP would use with `bucket_cap_mb` from now on (after its first iteration)."""
+        sizes, keys = self._sizes_and_keys()
+        if self.needs_rebuild:
+            limits = planning.bucket_limits(bucket_cap_mb, first_iteration=False, needs_rebuild=True)
+            return planning.plan_rebuilt(sizes, keys, limits, self.rebuilt_order, self.sparse)
+        limits = planning.bucket_limits(bucket_cap_mb, first_iteration=True, needs_rebuild=False)
+        return planning.plan_initial(sizes, keys, limits, self.sparse)
+
+    def _tune(self) -> None:
+        """bucket_cap_mb="auto": time the candidate caps in turn, then adopt rank 0's fastest (autotune.py)."""
+        cap = self.tuner.step(self.completed, self.plan_for)
+        if cap is None:  # every candidate timed
+            best = torch.tensor([self.tuner.fastest()], dtype=torch.int64, device=self.device)
+            if self.world_size > 1:  # ranks meet here: every rank adopts rank 0's choice
+                dist.broadcast(best, src=global_rank(self.process_group, 0), group=self.process_group)
+            cap = self.tuner.chosen = self.tuner.candidates[int(best.item())]
+        if cap != self.bucket_cap_mb:
+            self.bucket_cap_mb = cap
+            self._build(self.plan_for(cap))
 
     # ---- one iteration ------------------------------------------------------------------------
 
@@ -184,44 +229,50 @@ class Reducer:
             bucket.pending, bucket.future, bucket.deferred = len(bucket.param_indices), None, []
         self.next_bucket, self.expect_hooks = 0, True
 
-    def _make_hook(self, index: int):
-        def hook(param: torch.Tensor) -> None:
-            if self.expect_hooks:  # no_sync(), or a backward without a wrapped forward: just accumulate
-                self._grad_ready(index, param)
-        return hook
-
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
+        """Parameter `index`'s post-accumulate-grad hook: count its bucket down, launch what is complete.
+
+        The hot path (once per gradient per step): one Python frame, small gradients only queued.
+        """
+        if not self.expect_hooks:  # no_sync(), or a backward without a wrapped forward: just accumulate
+            return
         if self.ready[index]:
             raise RuntimeError(f"minidp: parameter {self.names[index]!r} got a gradient twice in one "
                                "backward; each parameter may be reduced once per iteration")
         if not self.reducing:
-            # Runs at the end of this backward, and only if it succeeds (the engine drops it otherwise).
-            Variable._execution_engine.queue_callback(self._finalize)
-            self.reducing = True
-            if self.divisor_work is not None:  # join(): divide by the ranks still training
-                self.divisor_work.wait()
-                # Kept on the device (no .item(), which would wait for the GPU mid-backward).
-                self.divisor = self.divisor_work.result()[0].reshape(())
-                self.scale = 1.0 / self.divisor.double()
+            self._start_reducing()
         self.ready[index] = True
         if self.rebuild_pending:
             self.ready_order.append(index)
-        bucket = self.bucket_of[index]
-        self._copy_into_bucket(bucket, self.slot_of[index], param)
         if self.timeline is not None:
-            self.timeline.record("grad_ready", param=self.names[index], bucket=bucket.index)
+            self.timeline.record("grad_ready", param=self.names[index], bucket=self.bucket_index_of[index])
+        if self.reduce_locally:
+            return  # world size 1: the average of one gradient is itself, where autograd put it
+        bucket, grad = self.bucket_of[index], param.grad
+        if grad.is_sparse != bucket.sparse:
+            raise RuntimeError(_sparse_mismatch(self.names[index], grad.is_sparse))
+        if self.small[index] and not bucket.sparse and not self.gradient_as_bucket_view:
+            bucket.deferred.append((self.slot_of[index], grad, param))  # copied at launch (_copy_deferred)
+        else:
+            self._copy_into_bucket(bucket, self.slot_of[index], param, grad)
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready_buckets()
 
-    def _copy_into_bucket(self, bucket: Bucket, slot: int, param: torch.Tensor) -> None:
+    def _start_reducing(self) -> None:
+        """The first gradient of a synced backward: queue the end-of-backward callback."""
+        # Runs at the end of this backward, and only if it succeeds (the engine drops it otherwise).
+        Variable._execution_engine.queue_callback(self._finalize)
+        self.reducing = True
+        if self.divisor_work is not None:  # join(): divide by the ranks still training
+            self.divisor_work.wait()
+            # Kept on the device (no .item(), which would wait for the GPU mid-backward).
+            self.divisor = self.divisor_work.result()[0].reshape(())
+            self.scale = 1.0 / self.divisor.double()
+
+    def _copy_into_bucket(self, bucket: Bucket, slot: int, param: torch.Tensor, grad: torch.Tensor) -> None:
         """Put one gradient into its bucket; on the default path scaled by 1/divisor, DDP's numerics."""
-        grad, default_path = param.grad, self.comm_hook is None
-        if grad.is_sparse != bucket.sparse:
-            raise RuntimeError(
-                f"minidp: parameter {self.names[bucket.param_indices[slot]]!r} has a "
-                f"{'sparse' if grad.is_sparse else 'dense'} gradient, but a {'sparse' if bucket.sparse else 'dense'}"
-                " one was expected (only nn.Embedding / nn.EmbeddingBag with sparse=True produce sparse gradients)")
+        default_path = self.comm_hook is None
         if bucket.sparse:  # the gradient is the buffer: divided in place (DDP), reduced, copied back
             bucket.buffer = grad.div_(self.divisor) if default_path else grad
             return
@@ -230,10 +281,8 @@ class Reducer:
             if default_path:
                 view.div_(self.divisor)
             return
-        if grad.numel() < SMALL_GRAD_NUMEL:
-            # Small gradients cost a Python-issued op each: copy them in one batch at launch
-            # (_copy_deferred; the same products, so the same bits).
-            bucket.deferred.append((slot, grad, param))
+        if self.small[bucket.param_indices[slot]]:
+            bucket.deferred.append((slot, grad, param))  # copied in one batch at launch, the same products
             return
         if default_path:
             torch.mul(grad, self.scale, out=view)  # DDP: multiply by the reciprocal while copying
@@ -248,7 +297,9 @@ class Reducer:
             return
         views = [bucket.views[slot] for slot, _, _ in bucket.deferred]
         torch._foreach_copy_(views, [grad for _, grad, _ in bucket.deferred])
-        if self.comm_hook is None:
+        if self.comm_hook is None and len(views) == len(bucket.views):
+            bucket.buffer.mul_(self.scale)  # every slot was deferred: one op over the flat buffer
+        elif self.comm_hook is None:
             torch._foreach_mul_(views, self.scale)
         if self.gradient_as_bucket_view:
             for view, (_, _, param) in zip(views, bucket.deferred):
@@ -288,7 +339,7 @@ class Reducer:
         if missing and not self.find_unused_parameters:
             # A failed backward like any other: the next forward closes the iteration (prepare_for_forward).
             raise RuntimeError(_unused_message([self.names[i] for i in missing]))
-        for i in missing:  # find_unused_parameters: this rank contributes zeros for them
+        for i in missing if self.buckets else ():  # find_unused_parameters: this rank contributes zeros
             bucket = self.bucket_of[i]
             if bucket.sparse:
                 bucket.buffer = no_sparse_gradient(bucket.buffer)
@@ -325,7 +376,8 @@ class Reducer:
         results = [self._wait(bucket) for bucket in self.buckets]
         status, work = status or self._start_status(failed, ready)
         try:
-            work.wait()
+            if work is not None:
+                work.wait()
         except RuntimeError as exc:
             raise RuntimeError(
                 f"minidp.DDP on rank {self.rank}: iteration {self.iteration}: the end-of-backward status "
@@ -336,6 +388,7 @@ class Reducer:
         counts = status.tolist()
         failed_ranks = [r for r in range(self.world_size) if counts[r]]
         self.reducing = False
+        self.completed += not failed_ranks  # the same count on every rank: the tuner steps by it
         for bucket in self.buckets:
             bucket.future, bucket.deferred = None, []
         if failed_ranks and self.rebuild_pending:
@@ -349,6 +402,8 @@ class Reducer:
         status[self.rank] = int(failed)
         if self.find_unused_parameters:
             status[self.world_size:] = torch.tensor(ready, dtype=torch.int32)
+        if self.world_size == 1:
+            return status, None  # one rank: the sum is this rank's status itself
         return status, dist.all_reduce(status, group=self.process_group, async_op=True)  # ranks meet here
 
     def _wait(self, bucket: Bucket) -> torch.Tensor:
@@ -365,10 +420,10 @@ class Reducer:
         return bucket_result(value, bucket.buffer, self.comm_hook)
 
     def plan(self) -> list[list[int]]:
-        return [b.param_indices for b in self.buckets]
+        return self.layout
 
     def describe_bucket(self, index: int) -> str:
-        names = [self.names[i] for i in self.buckets[index].param_indices]
+        names = [self.names[i] for i in self.layout[index]]
         shown = names if len(names) <= 4 else names[:2] + ["..."] + names[-1:]
         return f"{len(names)} parameter(s): {', '.join(shown)}"
 
@@ -381,6 +436,12 @@ class Reducer:
         _, failed_ranks, _ = self._end_iteration(failed=False, ready=[False] * len(self.params))
         if self.rebuild_pending and not failed_ranks and not self.ready_order:
             self.ready_order = list(range(len(self.params)))  # as DDP: a joined rank votes for the default
+
+
+def _sparse_mismatch(name: str, got_sparse: bool) -> str:
+    kinds = ("sparse", "dense") if got_sparse else ("dense", "sparse")
+    return (f"minidp: parameter {name!r} has a {kinds[0]} gradient, but a {kinds[1]} one was expected (only "
+            "nn.Embedding / nn.EmbeddingBag with sparse=True produce sparse gradients)")
 
 
 def _unused_message(names: list[str]) -> str:
