@@ -19,16 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "examples")]  # gpu_check; common, train_torchvision
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from gpu_check import write_section  # noqa: E402 - the marker writer both scripts use
 
 import common  # noqa: E402 - examples/ is not a package
 import minidp  # noqa: E402
@@ -288,17 +288,6 @@ def _label_offsets(results: list) -> tuple[list, list]:
             ordered.append(r)
             offsets.append((5, 4) if k == 0 else (5, -11 * k))
     return ordered, offsets
-
-
-def write_section(path: str, tag: str, text: str) -> None:
-    """Put `text` between `tag`'s markers in `path`, keeping the rest of the file."""
-    begin, end = f"<!-- BEGIN {tag} -->", f"<!-- END {tag} -->"
-    old = open(path).read() if os.path.exists(path) else ""
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
-    block = f"{begin}\n{text}\n{end}"
-    new = pattern.sub(lambda _: block, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(new)
 
 
 def main(argv=None) -> None:

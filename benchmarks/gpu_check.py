@@ -248,8 +248,10 @@ def run_check(name: str, args) -> list:
 
 
 def write_section(path: str, tag: str, text: str) -> None:
-    """Put `text` between `tag`'s markers in `path`, keeping the rest (as compression.py does; that one
-    imports torchvision, which this script must run without)."""
+    """Put `text` between `tag`'s markers in `path`, keeping the rest of the file.
+
+    compression.py imports it from here (not the other way: that script imports torchvision, which
+    this one must run without)."""
     begin, end = f"<!-- BEGIN {tag} -->", f"<!-- END {tag} -->"
     old = open(path).read() if os.path.exists(path) else ""
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)

@@ -6,6 +6,11 @@ fails its test, and one that adds, drops or reshapes them fails test_readme_hold
 
 What changes before a README line runs, and nothing else:
   * `python examples/...` commands get `--tiny` (the examples' test preset: 3 steps, 16 px images);
+  * `python -m minidp.explain` runs on 16 px images, 2 per rank (`--input-shape 3,16,16 --batch 2`): the
+    bucket layouts it prints do not depend on the input size, so they must equal the README's output;
+    its `--out explain` and simulate's `--plot scaling.png` go to a temp folder. `python -m
+    minidp.simulate` runs as written (a recorded step in, a table out, deterministic): its output must
+    be the README's, line for line;
   * world size: a command for two nodes ("on each node") runs twice at once on 127.0.0.1, with
     `--node-rank` 0 and 1, `--nproc-per-node 1` (world size 2), `10.0.0.1` -> 127.0.0.1 and
     `--master-port 29500` -> a free port. On one node `--nproc-per-node N` becomes 1: test_launch.py,
@@ -16,7 +21,9 @@ What changes before a README line runs, and nothing else:
     README's ```diff blocks applied, so it is minidp's (across 2 ranks in the two-node command);
     `~/imagenette` and "imagenet/train" -> tiny generated image folders; `make_or_download_data()`
     -> a stand-in; `...` lines -> a line that records what the loop saw; fragments get stand-ins
-    for the names they use before them, and checks of what their comments claim after them;
+    for the names they use before them, and checks of what their comments claim after them (the
+    minidp.comm fragment runs at world size 1; the TernGrad compressor must be examples/custom_hook.py's,
+    verbatim, and is checked on a tensor: unbiased, and as many bytes as it declares);
   * `make test` and `make demo` are not run (SKIPPED_MAKE says why); `make -n` checks each target.
 Every command has a timeout (its whole process tree is killed then) and OMP_NUM_THREADS=1; the
 commands run in the background, two at a time, from a module fixture.
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -46,7 +54,7 @@ import common  # noqa: E402 - examples/common.py: the synthetic image folders
 
 README = os.path.join(ROOT, "README.md")
 TIMEOUT_S = 240
-EXPECTED = {"bash": 9, "python": 3, "diff": 2}  # what README.md holds; a change must update this file
+EXPECTED = {"bash": 13, "python": 5, "diff": 2}  # what README.md holds; a change must update this file
 SKIPPED_MAKE = {  # target: (why it is not run, what `make -n` must show)
     "test": ("`make test` runs the whole suite, this file included: it would recurse", "-m pytest"),
     "demo": ("`make demo` trains twice for a minute (its own sizes override --tiny); the example it "
@@ -157,6 +165,10 @@ def small_form(cmd: str, ws: Workspace, node_rank: int = 0, port: int = 0) -> st
         out = out.replace("10.0.0.1", "127.0.0.1").replace("--master-port 29500", f"--master-port {port}")
     out = re.sub(r"(?<![\w/.])train\.py\b", ws.train_py, out)
     out = out.replace("~/imagenette", str(ws.imagenette))
+    if out.startswith("python -m minidp.explain "):
+        out = out.replace("--input-shape 3,32,32 --batch 32", "--input-shape 3,16,16 --batch 2")
+        out = out.replace("--out explain", f"--out {ws.tmp / 'explain'}")
+    out = out.replace("--plot scaling.png", f"--plot {ws.tmp / 'scaling.png'}")
     return out + " --tiny" if re.search(r"\bexamples/\w+\.py\b", out) else out
 
 
@@ -182,14 +194,60 @@ def check_example(cmd: str) -> Callable[[str], None]:
     return check
 
 
+BUCKET_ROW = re.compile(r"^ +(\d+) +(\d+) +([\d.]+)  (\S+) +(\S+) ", re.M)  # explain: index, params, MiB, ends
+
+
+def check_explain(shown: str) -> Callable[[str], None]:
+    """The README's explain output shows the bucket layouts this run prints (they do not depend on the input)."""
+    rows = BUCKET_ROW.findall(shown)
+
+    def check(output: str) -> None:
+        assert rows and BUCKET_ROW.findall(output) == rows, f"README shows {rows}; the run printed:\n{output}"
+        assert output.count("torch DDP builds the same buckets: yes") == 2, output
+        assert "explain: torch DDP step 3/3" in output, output  # the progress lines (stderr)
+    return check
+
+
+def check_simulate(shown: str) -> Callable[[str], None]:
+    def check(output: str) -> None:  # deterministic: a recorded step and a network model in, a table out
+        assert shown and output.rstrip("\n").splitlines() == shown.rstrip("\n").splitlines(), output
+    return check
+
+
+def check_train_lm(cmd: str) -> Callable[[str], None]:
+    engine = "ddp" if "--engine ddp" in cmd else "minidp"
+
+    def check(output: str) -> None:  # --tiny: 3 steps, each logged, then the validation loss (rank 0 only)
+        assert re.search(rf"^{engine}: [\d,]+ parameters, [\d,]+ characters from .+, world size 1$", output, re.M)
+        assert len(re.findall(r"^step \d+: loss [\d.]+", output, re.M)) == 3, output
+        assert len(re.findall(r"^val loss [\d.]+$", output, re.M)) == 1, output
+    return check
+
+
+def checker(cmd: str, shown: str) -> Callable[[str], None]:
+    """What a README command must print; `shown` is the ```text block that follows it in the README, if any."""
+    if re.search(r"(?<![\w/.])train\.py\b", cmd):
+        return check_train_py(cmd)
+    if cmd.startswith("python -m minidp.explain "):
+        return check_explain(shown)
+    if cmd.startswith("python -m minidp.simulate "):
+        return check_simulate(shown)
+    if "examples/train_lm.py" in cmd:
+        return check_train_lm(cmd)
+    return check_example(cmd)
+
+
 def bash_items(blocks: List[Block]) -> List[Item]:
     items = []
-    for block in (b for b in blocks if b.lang == "bash"):
+    for i, block in enumerate(blocks):
+        if block.lang != "bash":
+            continue
+        shown = blocks[i + 1].text if i + 1 < len(blocks) and blocks[i + 1].lang == "text" else ""
         for cmd in shell_commands(block):
             key = f"line {block.line}: {cmd}"
             if cmd.startswith("make "):
                 items.append(make_item(key, cmd))
-            elif not re.match(r"torchrun\s|python -m minidp\.run\s|python examples/", cmd):
+            elif not re.match(r"torchrun\s|python -m minidp\.(run|explain|simulate)\s|python examples/", cmd):
                 items.append(unknown(key, "command"))
             elif "train_dali" in cmd and not HAVE_DALI:
                 items.append(Item(key, None, lambda _: None, "needs NVIDIA DALI"))
@@ -198,8 +256,7 @@ def bash_items(blocks: List[Block]) -> List[Item]:
 
                 def start(ws, cmd=cmd, port=port):  # two "nodes": both commands start at once
                     return [ws.command(small_form(cmd, ws, n, port)) for n in range(1 + ("--node-rank" in cmd))]
-                check = check_train_py if re.search(r"(?<![\w/.])train\.py\b", cmd) else check_example
-                items.append(Item(key, start, check(cmd)))
+                items.append(Item(key, start, checker(cmd, shown)))
     return items
 
 
@@ -262,11 +319,55 @@ print("dali fragment: one batch of 256 images, 224 px")
 '''
 
 
+COMM_BEFORE = '''\
+import torch  # test_readme: stand-ins for the names the fragment uses (one rank: gloo, world size 1)
+import torch.nn.functional as F
+import minidp
+minidp.init()
+torch.manual_seed(0)
+model = minidp.DDP(torch.nn.Linear(64, 8))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+batches = [(torch.randn(16, 64), torch.randn(16, 8)) for _ in range(20)]
+'''
+COMM_DOTS = ["opt.zero_grad()\nF.mse_loss(model(x), y).backward()\nopt.step()"]
+COMM_AFTER = '''\
+# test_readme: the fragment's claims. The 10 exact steps send every gradient byte (one bucket of 520
+# fp32 elements); then TopK(0.01) sends 5 of them, as fp32 values and int32 indices.
+_dense = (64 * 8 + 8) * 4
+assert state.stats() == {"steps": 20, "bytes_sent": 10 * _dense + 10 * 5 * 8, "bytes_dense": 20 * _dense,
+                         "ratio": (10 * _dense + 10 * 5 * 8) / (20 * _dense)}, state.stats()
+_saved = states[0]["memory"]["residuals"]["pieces"]
+_loaded = state.state_dict()["memory"]["residuals"]["pieces"]
+assert _saved and any(r.abs().sum() > 0 for r in _saved.values())  # error feedback held something back
+assert _saved.keys() == _loaded.keys() and all(torch.equal(_saved[k], _loaded[k]) for k in _saved)
+state.close()
+minidp.shutdown()
+print("comm fragment: 20 steps, TopK after 10 exact ones, residuals saved and loaded")
+'''
+TERNGRAD_BEFORE = '''\
+import math  # test_readme: what examples/custom_hook.py imports for it
+import torch
+import minidp
+from minidp import comm
+'''
+TERNGRAD_AFTER = '''\
+# test_readme: the compressor's claims, on one tensor (no process group: rank 0)
+_g = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+_c = TernGrad()
+_payload, _ctx = _c.compress(_g)
+assert sum(p.numel() * p.element_size() for p in _payload) == _c.payload_bytes([_g.shape], _g.dtype, 2) == 1004
+assert set(_payload[0].unique().tolist()) <= {-1, 0, 1}
+_mean = sum(_c.decompress(*_c.compress(_g)) for _ in range(2000)) / 2000
+assert (_mean - _g).abs().max() < 0.25, (_mean - _g).abs().max()  # unbiased: the mean of many draws
+print("TernGrad fragment: unbiased, 1004 bytes for 1000 elements")
+'''
+
+
 def replace_dots(snippet: str, replacements: List[str]) -> str:
-    """Each line that is only `...` becomes the next replacement, at its indentation."""
+    """Each line that is only `...` (and a comment) becomes the next replacement, at its indentation."""
     lines, count = [], 0
     for line in snippet.splitlines():
-        if line.strip() == "...":
+        if re.fullmatch(r"\.\.\.(\s+#.*)?", line.strip()):
             assert count < len(replacements), f"the README snippet has more `...` lines than expected:\n{snippet}"
             lines.append(textwrap.indent(replacements[count], line[:len(line) - len(line.lstrip())]))
             count += 1
@@ -296,6 +397,23 @@ def python_items(blocks: List[Block]) -> List[Item]:
             def check(output):
                 assert "sampler fragment: resumed, accuracy 0.5050" in output, output
             items.append(Item(key + " (DistributedSampler fragment)", start, check))
+        elif "comm.compression_hook(" in text:
+            def start(ws, text=text):  # cwd: the fragment writes ckpt.pt
+                path = ws.write("comm_snippet.py", COMM_BEFORE + replace_dots(text, COMM_DOTS) + COMM_AFTER)
+                return [ws.command([sys.executable, path], cwd=str(ws.tmp))]
+
+            def check(output):
+                assert "comm fragment: 20 steps, TopK after 10 exact ones, residuals saved and loaded" in output, output
+            items.append(Item(key + " (minidp.comm fragment)", start, check))
+        elif "class TernGrad(comm.Compressor)" in text:
+            def start(ws, text=text):
+                return [ws.command([sys.executable, ws.write("terngrad.py", TERNGRAD_BEFORE + text + TERNGRAD_AFTER)])]
+
+            def check(output, text=text):
+                assert text in open(os.path.join(ROOT, "examples", "custom_hook.py")).read(), \
+                    "the README's TernGrad is not examples/custom_hook.py's, verbatim"
+                assert "TernGrad fragment: unbiased, 1004 bytes for 1000 elements" in output, output
+            items.append(Item(key + " (custom compressor)", start, check))
         elif "image_folder_loader(" in text and HAVE_DALI:
             def start(ws, text=text):
                 source = replace_dots(text.replace('"imagenet/train"', repr(str(ws.imagenet / "train"))), DALI_DOTS)
@@ -331,7 +449,8 @@ def test_readme_holds_what_this_test_runs():
     assert found == EXPECTED, f"README.md now has {found}: update EXPECTED, and teach this file the new ones"
     text = open(README).read()
     for placeholder in ("train.py", "~/imagenette", "10.0.0.1", "--master-port 29500", "make_or_download_data()",
-                        '"imagenet/train"', "--node-rank 0"):
+                        '"imagenet/train"', "--node-rank 0", "--input-shape 3,32,32 --batch 32 --out explain",
+                        "--plot scaling.png"):
         assert placeholder in text, f"README.md no longer has {placeholder!r}: drop what this file does with it"
 
 
@@ -362,11 +481,18 @@ def test_parsing_helpers():
     with pytest.raises(AssertionError, match="not \\(once\\) in"):
         apply_diff("a\n", "-b\n+x\n")
     assert replace_dots("for i in x:\n    ...\n", ["f(i)\ng(i)"]) == "for i in x:\n    f(i)\n    g(i)\n"
+    assert replace_dots("for i in x:\n    ...   # step\nz = '...'\n", ["f(i)"]) == "for i in x:\n    f(i)\nz = '...'\n"
     ws = Workspace.__new__(Workspace)
-    ws.imagenette, ws.train_py = "/data/imagenette", "/t/train.py"
+    ws.imagenette, ws.train_py, ws.tmp = "/data/imagenette", "/t/train.py", pathlib.Path("/t")
     assert small_form("python -m minidp.run --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr 10.0.0.1 "
                       "--master-port 29500 train.py", ws, 1, 1234) == (
         "python -m minidp.run --nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr 127.0.0.1 "
         "--master-port 1234 /t/train.py")
     assert small_form("python examples/train_dali.py --data ~/imagenette", ws) == (
         "python examples/train_dali.py --data /data/imagenette --tiny")
+    explain = "python -m minidp.explain resnet18 --world-size 2 --input-shape {} --batch {} --out {}"
+    assert small_form(explain.format("3,32,32", 32, "explain"), ws) == explain.format("3,16,16", 2, "/t/explain")
+    assert small_form("python -m minidp.simulate --events e.json --plot scaling.png", ws) == (
+        "python -m minidp.simulate --events e.json --plot /t/scaling.png")
+    row = "       1     12    27.52  layer4.1.bn2.weight    layer4.0.conv2.weight  +134.4 ms +178.8 ms    +107.5 ms"
+    assert BUCKET_ROW.findall(row) == [("1", "12", "27.52", "layer4.1.bn2.weight", "layer4.0.conv2.weight")]
