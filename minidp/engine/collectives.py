@@ -111,8 +111,9 @@ def all_gather_objects(obj, group=None, device=None) -> list:
 def check_same_across_ranks(what: str, records: list, group=None, device=None) -> None:
     """Raise on every rank, naming the first differing entry and the ranks, if ranks disagree.
 
-    Ranks first compare a 32-byte SHA-256 of their pickled records (one small all-gather); only
-    when the digests differ do they gather the records themselves to say where.
+    Ranks first compare a digest of their pickled records: one all-reduce of two integers (the
+    largest digest and the largest negated one, i.e. the smallest); only when the digests differ do
+    they gather the records themselves to say where.
 
     Args:
         what: a word for the entries in error messages, e.g. "parameter".
@@ -124,13 +125,14 @@ def check_same_across_ranks(what: str, records: list, group=None, device=None) -
     if dist.get_world_size(group) == 1:
         return  # one rank agrees with itself
     device = collective_device(group, device)
-    digest = hashlib.sha256(pickle.dumps(records, protocol=PICKLE_PROTOCOL)).digest()
-    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
-    digests = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(digests, mine, group=group)  # ranks meet here: 32 bytes per rank
-    if bool((torch.stack(digests) == digests[0]).all()):
+    sha = hashlib.sha256(pickle.dumps(records, protocol=PICKLE_PROTOCOL)).digest()
+    digest = int.from_bytes(sha[:8], "little") >> 2  # 62 bits: non-negative, and its negation fits an int64
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)  # ranks meet here: 16 bytes
+    largest, minus_smallest = extremes.tolist()
+    if largest == -minus_smallest:  # every rank's digest is the same
         return
-    # Every rank saw the same digests, so every rank comes here. Equal records may still pickle
+    # Every rank saw the same extremes, so every rank comes here. Equal records may still pickle
     # differently (pickle shares repeated objects by identity): compare the records themselves.
     gathered = all_gather_objects(records, group, device)  # ranks meet here
     _raise_if_different(what, gathered)

@@ -156,7 +156,7 @@ def flat_view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Te
     As DDP's bucket views: with `like`'s strides when its memory is dense (e.g. channels_last
     weights get channels_last gradients, laid out in the buffer in memory order), else C-contiguous.
     """
-    if _non_overlapping_and_dense(like):
+    if like.is_contiguous() or _non_overlapping_and_dense(like):  # is_contiguous: the common case, in C
         return buffer.as_strided(like.shape, like.stride(), buffer.storage_offset() + offset)
     return buffer[offset:offset + like.numel()].view(like.shape)
 
@@ -182,6 +182,8 @@ def no_sparse_gradient(like: torch.Tensor) -> torch.Tensor:
 def sparse_gradient_flags(module: torch.nn.Module, params: list) -> list[bool]:
     """By parameter, whether its gradient will be sparse; DDP's rule: its module is an nn.Embedding or
     nn.EmbeddingBag with sparse=True (for a shared parameter, the first module that has it)."""
+    if not any(isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse for sub in module.modules()):
+        return [False] * len(params)  # the common case: no sparse embedding at all
     sparse_owner: dict = {}
     for sub in module.modules():
         for p in sub.parameters(recurse=False):
