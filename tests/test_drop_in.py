@@ -4,6 +4,7 @@ Side by side with torch DDP in the same processes: where torch raises, minidp ra
 exception type (with a message that names the hook and what was wrong).
 """
 import copy
+import inspect
 import os
 
 import pytest
@@ -333,3 +334,74 @@ def _join_no_sync_on_gpu_worker():
 @pytest.mark.gpu
 def test_join_forward_makes_no_host_sync_on_gpu():
     assert run_ranks(_join_no_sync_on_gpu_worker, 1, init=False) == [True]
+
+
+# ---- the rest of torch DDP's public surface: attributes, buffers at init, ignored parameters ------
+
+class _RankLocal(nn.Module):
+    """A Linear and BatchNorm, plus a buffer that holds this rank's number (e.g. a per-rank RNG offset)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(6, 4), nn.BatchNorm1d(4)
+        self.register_buffer("mine", torch.full((2,), float(dist.get_rank())))
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+def _surface(engine, ignore=(), **kwargs):
+    """What a script may read or rely on after DDP(module, **kwargs), then after two steps."""
+    torch.manual_seed(dist.get_rank())  # every rank starts from different weights
+    module = _RankLocal()
+    if ignore:
+        engine._set_params_and_buffers_to_ignore_for_model(module, list(ignore))
+    model = engine(module, **kwargs)
+    state_at_init = {k: v.clone() for k, v in module.state_dict().items()}
+    seen = {"bucket_bytes_cap": model.bucket_bytes_cap, "device": model.device, "device_type": model.device_type,
+            "parameters_to_ignore": set(model.parameters_to_ignore), "sync": model.will_sync_module_buffers()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(10 + dist.get_rank())
+    for _ in range(2):
+        model(torch.randn(5, 6, generator=gen)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with model.no_sync():
+        model(torch.randn(5, 6, generator=gen))
+    seen["sync_after_no_sync"] = model.will_sync_module_buffers()
+    return seen, state_at_init, {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def _surface_worker(cases):
+    return {(label, name): _surface(engine, **case)
+            for name, case in cases.items() for label, engine in ENGINES.items()}
+
+
+SURFACE_CASES = {
+    "default": {},
+    "broadcast_buffers_off": {"broadcast_buffers": False},  # buffers stay each rank's, at init too
+    "cap_5": {"bucket_cap_mb": 5},
+    "ignored": {"ignore": ("lin.bias", "mine")},  # neither broadcast nor averaged: stays each rank's own
+}
+if "forward_sync_buffers" in inspect.signature(TorchDDP.__init__).parameters:  # torch >= 2.14
+    SURFACE_CASES["forward_sync_off"] = {"forward_sync_buffers": False}  # synced at init, not in forward
+    SURFACE_CASES["batched_grad_copy"] = {"batched_grad_copy": True}
+
+
+def test_public_surface_buffers_at_init_and_ignored_parameters_as_torch_ddp():
+    results = run_ranks(_surface_worker, 2, SURFACE_CASES, timeout=200)
+    for name in SURFACE_CASES:
+        for rank, result in enumerate(results):
+            ours, theirs = result["minidp", name], result["torch", name]
+            assert ours[0] == theirs[0], (name, rank)
+            for at in (1, 2):  # the state after construction, and after training
+                assert ours[at].keys() == theirs[at].keys()
+                for key in theirs[at]:
+                    assert torch.equal(ours[at][key], theirs[at][key]), (name, rank, at, key)
+    # The cases did what they claim: without broadcast_buffers (and for an ignored buffer) each
+    # rank keeps its own buffer; an ignored parameter is neither broadcast nor averaged.
+    for name in ("broadcast_buffers_off", "ignored"):
+        assert [r["torch", name][1]["mine"][0].item() for r in results] == [0.0, 1.0], name
+    assert [r["torch", "default"][1]["mine"][0].item() for r in results] == [0.0, 0.0]
+    bias = [r["torch", "ignored"][2]["lin.bias"] for r in results]
+    assert not torch.equal(bias[0], bias[1])

@@ -35,7 +35,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             forward moves the inputs there, as DDP does (see move_inputs). Default None.
         output_device: accepted for compatibility; outputs stay where the module puts them.
         dim: accepted for compatibility (minidp never scatters inputs).
-        broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) before each
+        broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) at construction and
             forward. Default True.
         init_sync: broadcast rank 0's parameters and buffers at construction. Default True.
         process_group: the group to average over. Default: the world.
@@ -67,21 +67,34 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
                  broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False, debug: bool | None = None, transport=None, **unsupported):
+                 static_graph: bool = False, debug: bool | None = None, transport=None,
+                 forward_sync_buffers: bool | None = None, batched_grad_copy: bool = False, **unsupported):
         super().__init__()
         JoinableDDP.__init__(self)
+        broadcast_buffers = True if broadcast_buffers is None else broadcast_buffers  # torch >= 2.14's default
         flags = dict(broadcast_buffers=broadcast_buffers, init_sync=init_sync, static_graph=static_graph, debug=debug,
-                     find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view)
+                     find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
+                     forward_sync_buffers=forward_sync_buffers, batched_grad_copy=batched_grad_copy)
         _check_arguments(module, bucket_cap_mb, process_group, flags, unsupported)
+        # DDP._set_params_and_buffers_to_ignore_for_model(module, names): neither broadcast nor averaged.
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         # Walked once: on a model of hundreds of tensors each walk of the module tree costs ~1 ms.
-        all_named, buffers = list(module.named_parameters()), list(module.buffers())
+        all_named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
+        buffers = [b for n, b in module.named_buffers() if n not in self.parameters_to_ignore]
         self.input_device = _check_devices([p for _, p in all_named], device_ids)  # inputs go there (None: stay)
         self.device_ids = None if self.input_device is None else [self.input_device.index]  # as DDP's
         if not dist.is_initialized():
             raise RuntimeError("minidp.DDP needs a process group: call minidp.init() first")
         self.module, self.process_group, self.dim = module, process_group, dim
         self.output_device = output_device
-        self.broadcast_buffers = broadcast_buffers
+        # Buffers: torch >= 2.14 splits broadcast_buffers (at construction and in forward) into
+        # forward_sync_buffers (in forward only; with it, buffers are always synced at construction).
+        sync_at_init = broadcast_buffers if forward_sync_buffers is None else True
+        self.broadcast_buffers = broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
+        self.forward_sync_buffers = self.broadcast_buffers  # torch >= 2.14's name for it
+        self.batched_grad_copy = batched_grad_copy  # accepted: small gradients are copied in batches anyway
+        self.device = all_named[0][1].device if all_named else None  # as DDP's: the module's device
+        self.device_type = self.device.type if self.device is not None else None
         self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
         self.gradient_as_bucket_view, self.bucket_cap_mb = gradient_as_bucket_view, bucket_cap_mb
         self._comm_hook = None  # (state, hook) once registered: kept when pickled, re-registered on load
@@ -90,6 +103,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self.divide_by_initial_world_size = True  # set by join_hook(), under join()
         self.debug = debug_mode.debug_from_env() if debug is None else debug
         self.has_buffers = bool(buffers)  # else skip the walk on every forward
+        self._ignored_buffers = len(buffers) != sum(1 for _ in module.buffers())  # then sync_buffers filters
         self.transport = _check_transport(transport, module, process_group)
         named = [(n, p) for n, p in all_named if p.requires_grad]
         self._verify_across_ranks(named, bucket_cap_mb)
@@ -97,7 +111,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             raise RuntimeError("minidp.DDP: the module has no parameter that requires a gradient; "
                                "there is nothing to average (DDP is not needed)")
         if init_sync:
-            states = [p for _, p in all_named] + buffers
+            states = [p for _, p in all_named] + (buffers if sync_at_init else [])
             broadcast_coalesced(states, process_group)  # ranks meet here: rank 0's weights win
         self._build_reducer(named)
         # The module; compiled, in bucket-sized pieces (cut at the default caps while "auto" is undecided).
@@ -110,7 +124,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             named: the (name, parameter) pairs that require a gradient. Default None: read from the module.
         """
         if named is None:
-            named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+            named = [(n, p) for n, p in self.module.named_parameters()
+                     if p.requires_grad and n not in self.parameters_to_ignore]
         self.reducer = Reducer(
             [p for _, p in named], [n for n, _ in named], process_group=self.process_group,
             bucket_cap_mb=self.bucket_cap_mb, find_unused_parameters=self.find_unused_parameters,
@@ -147,7 +162,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
     def _verify_across_ranks(self, named, bucket_cap_mb) -> None:
         """Every rank must wrap the same parameters (and settings); say where they differ."""
         records = [("parameter", n, tuple(p.shape), str(p.dtype)) for n, p in named]
-        records += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in self.module.named_buffers()]
+        records += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in self.module.named_buffers()
+                    if n not in self.parameters_to_ignore]
         records.append(("settings", f"bucket_cap_mb={bucket_cap_mb}",
                         f"find_unused_parameters={self.find_unused_parameters}",
                         f"gradient_as_bucket_view={self.gradient_as_bucket_view}",
@@ -207,13 +223,41 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
 
     def sync_buffers(self, joined: bool) -> None:
         """Broadcast the buffers from rank 0 (under join(): from the highest rank still training)."""
-        buffers = list(self.module.buffers())
+        buffers = self.buffers_to_sync()
         if not buffers:
             return
         if self._join_config.enable:  # ranks meet here, joined ones too
             broadcast_from_last_trainer(buffers, self.process_group, self.join_device, training=not joined)
         else:
             broadcast_coalesced(buffers, self.process_group)  # ranks meet here
+
+    def buffers_to_sync(self) -> list[torch.Tensor]:
+        """The module's buffers but those set to be ignored (_set_params_and_buffers_to_ignore_for_model)."""
+        if not self._ignored_buffers:
+            return list(self.module.buffers())
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts the buffers (DDP's method of that name)."""
+        return self.require_forward_param_sync and self.broadcast_buffers and self.has_buffers
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """The bucket cap in bytes, as DDP's attribute (25 MiB by default; under "auto" the cap in use)."""
+        cap = self.reducer.bucket_cap_mb
+        return int((25 if cap is None else cap) * 1024 * 1024)
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore) -> None:
+        """Mark parameters and buffers (by qualified name) that DDP neither broadcasts nor averages.
+
+        torch DDP's static method of this name, which libraries call before wrapping a model; call it
+        before minidp.DDP(module). Each rank keeps its own value of those tensors.
+        """
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+            if name in params_and_buffers_to_ignore:
+                tensor._ddp_ignored = True
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -273,7 +317,7 @@ def _check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsuppor
     if not isinstance(module, nn.Module):
         raise TypeError(f"module={type(module).__name__} must be a torch.nn.Module")
     for name, flag in flags.items():
-        if not (name == "debug" and flag is None):  # debug=None: read MINIDP_DEBUG
+        if not (name in ("debug", "forward_sync_buffers") and flag is None):  # None: MINIDP_DEBUG / torch's rule
             check_bool(name, flag)
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group={process_group!r} must be a torch.distributed.ProcessGroup or None")

@@ -86,9 +86,9 @@ class DDPJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
         src = find_common_rank(ddp.process_group, ddp.join_device, is_last_joiner)
-        states = [p for p in ddp.module.parameters()]
+        states = [p for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
         if ddp.broadcast_buffers:
-            states += list(ddp.module.buffers())
+            states += ddp.buffers_to_sync()
         broadcast_coalesced(states, ddp.process_group, src=src)  # ranks meet here: the final model
 
 
