@@ -45,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-caps", help="bucket_cap_mb sweep, '' to skip (default 1,5,25,100; quick 1,100)")
     p.add_argument("--sweep-workloads", help="workloads of the sweep (default mlp,resnet18; quick mlp)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-engine memory processes")
+    p.add_argument("--no-autotune", action="store_true", help='skip bucket_cap_mb="auto" against the caps')
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--from-json", help="rewrite RESULTS.md and the plot from a saved results JSON; run nothing")
     for name in FULL:
@@ -107,6 +108,15 @@ def plan_timing(args, world_size: int) -> list[dict]:
     return jobs
 
 
+def plan_autotune(args) -> list[dict]:
+    """bucket_cap_mb="auto" against each fixed cap, per workload, at the largest world size (one launch)."""
+    if args.no_autotune:
+        return []
+    variant = {"rounds": args.sweep_rounds, "constructions": 0}
+    names = args.workloads[:1] if args.quick else args.workloads  # quick: a smoke run of the job
+    return [job(args, "autotune", w, cap="auto", **variant) for w in names]
+
+
 def plan_memory(args) -> list[dict]:
     """One launch per (workload, gbv, engine, repeat) at the largest world size; quick: first workload only
     (at the smallest world size, see run_all).
@@ -156,20 +166,23 @@ def git_commit() -> str:
     return (head or "unknown") + ("+dirty" if dirty else "")
 
 
-def run_all(args) -> tuple[list[dict], list[dict]]:
-    """Every timing launch (one per world size), then every memory launch (one per engine and setting)."""
+def run_all(args) -> tuple[list[dict], list[dict], list[dict]]:
+    """Every timing launch (one per world size), the autotune launch, then every memory launch."""
     timing, memory = [], []
     for world_size in args.world_sizes:
         jobs = plan_timing(args, world_size)
         print(f"world size {world_size}: {len(jobs)} timing jobs", flush=True)
         timing += worker.run_jobs(jobs, world_size, args.backend, args.device, args.threads)
+    autotune = plan_autotune(args)
+    if autotune:
+        autotune = worker.run_jobs(autotune, max(args.world_sizes), args.backend, args.device, args.threads)
     # Quick: the smallest world size, so the smoke run starts one process per engine, not one per rank.
     memory_world = min(args.world_sizes) if args.quick else max(args.world_sizes)
     for one in plan_memory(args):
         memory += worker.run_jobs([one], memory_world, args.backend, args.device, args.threads)
     for result in timing:
         result["derived"] = report.derive(result)
-    return timing, memory
+    return timing, memory, autotune
 
 
 def main(argv=None) -> int:
@@ -177,20 +190,20 @@ def main(argv=None) -> int:
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)
-        meta, timing, memory = saved["meta"], saved["timing"], saved["memory"]
+        meta, timing, memory, autotune = saved["meta"], saved["timing"], saved["memory"], saved.get("autotune", [])
         for result in timing:  # recomputed: the report's definitions may have moved on
             result["derived"] = report.derive(result)
     else:
         started = time.perf_counter()
-        timing, memory = run_all(args)
+        timing, memory, autotune = run_all(args)
         meta = {**machine(args), "wall_s": round(time.perf_counter() - started, 1),
                 "plot": f"results/step_times_{args.device}.png"}
     results_dir = os.path.join(args.out, "results")
     os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, f"compare_ddp_{meta['device']}.json"), "w") as f:
-        json.dump({"meta": meta, "timing": timing, "memory": memory}, f, indent=1)
+        json.dump({"meta": meta, "timing": timing, "memory": memory, "autotune": autotune}, f, indent=1)
     report.plot_step_times(timing, os.path.join(args.out, meta["plot"]))
-    text = report.section(meta, timing, memory)
+    text = report.section(meta, timing, memory, autotune)
     report.write_section(os.path.join(args.out, "RESULTS.md"), meta["device"], text)
     print(text)
     print(f"\nwrote {args.out}/RESULTS.md and {results_dir}/ in {meta['wall_s']} s")

@@ -141,6 +141,43 @@ def run_job(job: dict, rank: int, device: torch.device) -> dict:
             "construction": construction, "phases": {n: summarize(t) for n, t in times.items()}}
 
 
+def run_autotune_job(job: dict, rank: int, device: torch.device) -> dict:
+    """bucket_cap_mb="auto" against every fixed cap it may choose, and torch DDP with the cap it chose.
+
+    minidp with "auto" trains until its tuner has chosen (timing the candidates on its own); then, in
+    the same rounds: "minidp" (auto, tuned), "cap=<c>" (minidp with each candidate cap c) and "ddp"
+    (torch DDP with the chosen cap). Returns the chosen cap, the tuner's own medians (rank 0's) and
+    the phases.
+    """
+    load = workloads.get(job["workload"], job["quick"])
+    base = load.build(seed=0).to(device)
+    x, y = load.batch_for(rank, device)
+    kwargs = engine_kwargs(job, device)
+    auto = minidp.DDP(workloads.clone(base), **{**kwargs, "bucket_cap_mb": "auto"})
+    opts = {"minidp": workloads.make_optimizer(auto)}
+    tuning_steps = 0
+    while auto.auto_bucket_cap.chosen is None and tuning_steps < 100:
+        workloads.train_step(auto, opts["minidp"], x, y)
+        tuning_steps += 1
+    chosen = auto.auto_bucket_cap.chosen
+    models = {"minidp": auto}
+    for cap in auto.auto_bucket_cap.candidates:
+        models[f"cap={cap:g}"] = minidp.DDP(workloads.clone(base), **{**kwargs, "bucket_cap_mb": cap})
+    models["ddp"] = TorchDDP(workloads.clone(base), **{**kwargs, "bucket_cap_mb": chosen})
+    for name, model in models.items():
+        opts.setdefault(name, workloads.make_optimizer(model))
+    phases = make_phases(models, opts, x, y, limits=False)
+    for fn in phases.values():
+        for _ in range(job["warmup"]):
+            fn()
+    times = alternate(phases, job["rounds"], job["steps"], device)
+    tuner_ms = {f"{c:g}": m * 1e3 for c, m in auto.auto_bucket_cap.medians().items()}
+    return {"job": job, "world_size": dist.get_world_size(), "device": str(device), "chosen": chosen,
+            "tuning_steps": tuning_steps, "tuner_ms": tuner_ms,
+            "params": workloads.grad_numel(base), "batch_per_rank": load.batch,
+            "construction": None, "phases": {n: summarize(t) for n, t in times.items()}}
+
+
 def wait_for_done_events(timeline, limit_s: float = 10.0) -> None:
     """Return once every "launch" in `timeline` has its "done" (or after `limit_s`).
 

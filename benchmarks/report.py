@@ -154,7 +154,24 @@ def memory_table(memory: list[dict]) -> str:
                   "minidp extra MiB", "DDP extra MiB", "minidp peak MiB", "DDP peak MiB", "peak ratio"], rows)
 
 
-def section(meta: dict, timing: list[dict], memory: list[dict]) -> str:
+def autotune_table(autotune: list[dict]) -> str:
+    """bucket_cap_mb="auto": the cap chosen, its step against each fixed cap's (same rounds), and torch DDP's."""
+    rows = []
+    for r in autotune:
+        phases = r["phases"]
+        caps = {name.split("=", 1)[1]: st["median"] for name, st in phases.items() if name.startswith("cap=")}
+        best = min(caps, key=caps.get)
+        auto = phases["minidp"]["median"]
+        rows.append([r["job"]["workload"], r["world_size"], f"{r['chosen']:g}", r["tuning_steps"],
+                     ", ".join(f"{c}: {m:.1f}" for c, m in r["tuner_ms"].items()) or "(one layout)",
+                     with_iqr(phases["minidp"]), ", ".join(f"{c}: {ms(m)}" for c, m in caps.items()),
+                     best, f"**{auto / caps[best]:.3f}**", f"{auto / phases['ddp']['median']:.3f}"])
+    return table(["workload", "world", "chosen cap (MiB)", "tuning steps", "tuner's medians ms (rank 0)",
+                  "auto step ms [IQR]", "fixed caps, step ms", "best cap", "auto / best", "auto / DDP(chosen)"],
+                 rows)
+
+
+def section(meta: dict, timing: list[dict], memory: list[dict], autotune: list[dict] = ()) -> str:
     """The generated part of RESULTS.md for one device."""
     parts = [
         f"Run: {meta['date']}, minidp at commit {meta.get('commit', 'unknown')}. Command: `{meta['command']}`",
@@ -169,6 +186,9 @@ def section(meta: dict, timing: list[dict], memory: list[dict]) -> str:
         "#### gradient_as_bucket_view=True and the bucket_cap_mb sweep",
         variants_table(timing),
     ]
+    if autotune:
+        parts += ['#### bucket_cap_mb="auto" against every fixed cap (same rounds, minidp; DDP with the chosen cap)',
+                  autotune_table(autotune)]
     if memory:
         parts += ["#### Peak memory (separate processes per engine; see Method)", memory_table(memory)]
     if meta.get("plot"):

@@ -39,7 +39,8 @@ def _entry(local_rank, jobs, out_path, backend, device_kind, threads, verbose):
     device = pick_device(device_kind, env)
     results = []
     for job in jobs:
-        run = {"memory": memory.run_memory_job, "timeline": measure.record_timeline}.get(job["kind"], measure.run_job)
+        run = {"memory": memory.run_memory_job, "timeline": measure.record_timeline,
+               "autotune": measure.run_autotune_job}.get(job["kind"], measure.run_job)
         results.append(run(job, env.rank, device))
         if verbose and env.rank == 0:
             print(f"  done: {describe(job)}", flush=True)

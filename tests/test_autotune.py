@@ -19,7 +19,7 @@ from minidp.engine import planning
 from models import build
 
 CANDIDATES = (0.0005, 0.002, 0.01, 1)  # MiB: 3 distinct layouts of the test MLP (0.01 and 1: one bucket)
-STEPS = 4 * planning.STEPS + 4  # enough for every candidate (one untimed step each) and a few after
+STEPS = planning.ROUNDS * 3 * (planning.STEPS + 1) + 4  # every visit of the 3 layouts, and a few after
 
 
 def _train(engine, cap, group, steps=STEPS):

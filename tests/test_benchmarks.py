@@ -94,6 +94,10 @@ def test_compare_numbers_are_sane(quick_compare):
                 assert _is_positive(lim["compute"]) and _is_positive(lim["allreduce"])
                 assert lim["serial"] == pytest.approx(lim["compute"] + lim["allreduce"])
                 assert 0.0 <= lim["hidden"] <= 1.0
+    (auto,) = data["autotune"]  # quick: the first workload only
+    assert auto["chosen"] in (1, 5, 25, 100) and auto["job"]["bucket_cap_mb"] == "auto"
+    assert {"minidp", "ddp", "cap=1", "cap=100"} <= set(auto["phases"])
+    assert all(_is_positive(st["median"]) for st in auto["phases"].values())
     assert data["memory"], "no memory figures"
     for m in data["memory"]:
         assert _is_positive(m["peak_mib"]) and m["peak_mib"] >= m["baseline_mib"] > 0
@@ -109,6 +113,7 @@ def test_compare_writes_markdown_and_plot(quick_compare):
     png = out / "results" / "step_times_cpu.png"
     assert png.read_bytes()[:4] == PNG_MAGIC and png.stat().st_size < 200_000
     assert "comm hidden" in stdout  # the limits table is printed too
+    assert 'bucket_cap_mb="auto" against every fixed cap' in text and "| auto / best |" in text
 
 
 def test_compare_rewrites_report_from_json(quick_compare, tmp_path):

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
+DIRECT_BROADCAST_BYTES = 1024 * 1024  # a contiguous tensor this large is broadcast in place, not packed
 PICKLE_PROTOCOL = 4  # fixed, so equal records pickle (and hash) alike on every rank
 
 
@@ -27,15 +28,29 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group=None, src: int = 
                         chunk_bytes: int = BROADCAST_CHUNK_BYTES) -> None:
     """Overwrite `tensors` on every rank with group rank `src`'s values, a few flat collectives in all.
 
-    Tensors are grouped by dtype and device (keeping their order within a group), packed into flat
-    chunks of up to `chunk_bytes`, broadcast once per chunk and unpacked: BatchNorm's float and
-    int64 buffers interleave, and packing by run would cost one collective per layer.
+    Small tensors are grouped by dtype and device (keeping their order within a group), packed into
+    flat chunks of up to `chunk_bytes`, broadcast once per chunk and unpacked: BatchNorm's float and
+    int64 buffers interleave, and packing by run would cost one collective per layer. A tensor of
+    DIRECT_BROADCAST_BYTES or more is broadcast on its own, in place when contiguous: one collective
+    more, two copies of it fewer (packing on the source, unpacking elsewhere). Ranks decide by size
+    alone, never by strides: their tensors have the same shapes (checked at construction), so they
+    issue the same collectives.
     """
     if dist.get_world_size(group) == 1:
         return  # one rank: it is the source
     is_src = dist.get_rank(group) == src
     src = global_rank(group, src)
-    for chunk in flat_chunks(tensors, chunk_bytes):
+    packed = []
+    with torch.no_grad():
+        for t in tensors:
+            if t.numel() * t.element_size() < DIRECT_BROADCAST_BYTES:
+                packed.append(t)
+                continue
+            flat = t.detach() if t.is_contiguous() else t.detach().contiguous()
+            dist.broadcast(flat, src=src, group=group)  # ranks meet here
+            if flat.data_ptr() != t.data_ptr() and not is_src:
+                t.copy_(flat)
+    for chunk in flat_chunks(packed, chunk_bytes):
         flat = torch.cat([t.detach().reshape(-1) for t in chunk])
         dist.broadcast(flat, src=src, group=group)  # ranks meet here
         if is_src:

@@ -205,6 +205,11 @@ def write_back(bucket: Bucket, result: torch.Tensor, params: list, gradient_as_b
         elif bucket.param_indices[0] not in globally_unused and result is not param.grad:
             param.grad.copy_(result)
         return
+    if result is bucket.buffer and not gradient_as_bucket_view and not globally_unused:
+        grads = [params[i].grad for i in bucket.param_indices]
+        if all(g is not None for g in grads):  # the usual step: one batched copy, no per-gradient branches
+            torch._foreach_copy_(grads, bucket.views)
+            return
     copy_to, copy_from = [], []
     for slot, i in enumerate(bucket.param_indices):
         if i in globally_unused:
@@ -248,7 +253,8 @@ def check_sparse_backend(params: list, names: list, sparse: Sequence[bool], back
 # ---- bucket_cap_mb="auto" -------------------------------------------------------------------------
 
 CANDIDATE_CAPS_MB = (1, 5, 25, 100)
-STEPS = 3  # timed steps per candidate (after one untimed step)
+STEPS = 3  # timed steps per visit of a candidate (after one untimed step)
+ROUNDS = 2  # visits per candidate: in order, then in reverse (drift of the machine hits all alike)
 
 
 class AutoCap:
@@ -264,7 +270,8 @@ class AutoCap:
       * the first iteration runs as torch DDP's does (one bucket, or the construction layout with
         find_unused_parameters); from the next forward on, each candidate cap in turn lays out the
         buckets (`plan_for(cap)`: the layout torch DDP would use with that cap) for one untimed step
-        (fresh buffers) and STEPS timed ones;
+        (fresh buffers) and STEPS timed ones; ROUNDS rounds, the second in reverse order (A B C C B A),
+        and each candidate's median over all its timed steps counts;
       * candidates whose layout equals an earlier candidate's are skipped (the same buckets run the same);
       * a step is the time between two forwards that follow completed synced iterations, so it holds
         forward, backward, the communication left at its end, and the optimizer step;
@@ -282,6 +289,7 @@ class AutoCap:
         self.candidates = list(CANDIDATE_CAPS_MB if candidates is None else candidates)
         self.steps = STEPS if steps is None else steps
         self.index = 0             # the candidate being timed
+        self._schedule, self._visit = [], 0  # candidate indices to visit in turn, and where we are
         self.chosen = None         # the cap adopted for good (None while tuning)
         self.step_times = {}       # cap -> this rank's timed step seconds
         self._stamps = []          # clock readings at this candidate's step boundaries
@@ -311,13 +319,13 @@ class AutoCap:
         self._stamps.append(time.perf_counter())
         if len(self._stamps) < self.steps + 2:  # one untimed step, then `steps` timed ones
             return self.cap
-        self.step_times[self.cap] = [b - a for a, b in zip(self._stamps[1:], self._stamps[2:])]
-        later = [i for i in self._distinct if i > self.index]
-        if later:
-            self.index = later[0]
-            self._stamps = [time.perf_counter()]
-            return self.cap
-        return None
+        self.step_times.setdefault(self.cap, []).extend(b - a for a, b in zip(self._stamps[1:], self._stamps[2:]))
+        self._visit += 1
+        if self._visit == len(self._schedule):
+            return None
+        self.index = self._schedule[self._visit]
+        self._stamps = [time.perf_counter()]
+        return self.cap
 
     def medians(self) -> dict:
         """This rank's median step seconds per timed cap."""
@@ -330,7 +338,8 @@ class AutoCap:
             if plan not in plans:
                 plans.append(plan)
                 self._distinct.append(i)
-        self.index = self._distinct[0]
+        self._schedule = [i for r in range(ROUNDS) for i in (self._distinct[::-1] if r % 2 else self._distinct)]
+        self.index = self._schedule[0]
 
     def fastest(self) -> int:
         """The index (into candidates) of the cap with this rank's shortest median step."""

@@ -45,7 +45,7 @@ class Reducer:
         names: their names, for error messages.
         The rest as the wrapper's keywords (keyword-only):
         process_group: the group to average over. Default None: the world.
-        bucket_cap_mb: DDP's bucket_cap_mb. Default None: 25 MiB with a 1 MiB first bucket.
+        bucket_cap_mb: DDP's bucket_cap_mb, or "auto" (planning.AutoCap). Default None: 25 MiB, first 1 MiB.
         find_unused_parameters: reduce parameters that got no gradient as zeros. Default False.
         gradient_as_bucket_view: make each `.grad` a view into its bucket (no copy back). Default False.
         static_graph: as DDP's; here it only selects DDP's bucket policy (see needs_rebuild). Default False.
@@ -176,7 +176,7 @@ class Reducer:
         return planning.plan_initial(sizes, keys, limits, self.sparse)
 
     def _tune(self) -> None:
-        """bucket_cap_mb="auto": time the candidate caps in turn, then adopt rank 0's fastest (autotune.py)."""
+        """bucket_cap_mb="auto": time the candidate caps in turn, then adopt rank 0's fastest (planning.AutoCap)."""
         cap = self.tuner.step(self.completed, self.plan_for)
         if cap is None:  # every candidate timed
             best = torch.tensor([self.tuner.fastest()], dtype=torch.int64, device=self.device)
