@@ -52,7 +52,7 @@ def two_ranks():
 
 
 def _two_rank_worker():
-    return {"join": _join_worker((5, 7)), **_desync_worker()}
+    return {"join": _join_worker((5, 7)), "throw": _throw_worker((3, 5)), **_desync_worker()}
 
 
 # ---- desync -------------------------------------------------------------------------------------
@@ -147,6 +147,35 @@ def _assert_join_equal(results):
 
 def test_join_uneven_inputs_equals_torch_ddp_join_two_ranks(two_ranks):
     _assert_join_equal([res["join"] for res in two_ranks])
+
+
+def _throw_on_early_termination(engine, n_batches):
+    """join(throw_on_early_termination=True): (error type, message, steps done) on this rank."""
+    torch.manual_seed(0)
+    model = engine(build("mlp"))
+    done = 0
+    try:
+        with model.join(throw_on_early_termination=True):
+            for _ in range(n_batches):
+                model(torch.randn(4, *input_shape("mlp"))).pow(2).mean().backward()
+                done += 1
+    except RuntimeError as exc:  # every rank raises at the same join notice, so the group stays usable
+        return type(exc).__name__, str(exc), done
+    return None, None, done
+
+
+def _throw_worker(batches_per_rank):
+    n = batches_per_rank[dist.get_rank()]
+    return {label: _throw_on_early_termination(engine, n) for label, engine in (("torch", TorchDDP),
+                                                                                  ("minidp", minidp.DDP))}
+
+
+def test_join_throw_on_early_termination_raises_on_every_rank_as_torch_ddp(two_ranks):
+    for rank, result in enumerate(res["throw"] for res in two_ranks):
+        assert result["minidp"] == result["torch"], rank
+        assert result["minidp"][0] == "RuntimeError" and result["minidp"][2] == 3  # the shorter rank's 3 steps
+    assert "Rank 0 exhausted all inputs" in two_ranks[0]["throw"]["minidp"][1]
+    assert "Detected at least one rank that exhausted inputs" in two_ranks[1]["throw"]["minidp"][1]
 
 
 def test_join_uneven_inputs_equals_torch_ddp_join_three_ranks():
