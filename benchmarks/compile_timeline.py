@@ -25,7 +25,6 @@ import copy
 import json
 import os
 import sys
-import tempfile
 
 import numpy as np
 import torch
@@ -38,6 +37,7 @@ sys.path.insert(0, HERE)
 
 import measure  # noqa: E402 - after the path set-up above, as in every script of this folder
 import minidp  # noqa: E402
+import worker  # noqa: E402
 from minidp.engine import planning  # noqa: E402
 
 PAIRS = (("minidp eager", "torch eager"), ("minidp DDP(compile(m))", "torch DDP(compile(m))"),
@@ -194,20 +194,12 @@ def _entry(local_rank, args, out_path):
     torch.set_num_threads(args.threads)  # one thread per rank by default: 2 cores on this machine
     env = minidp.init(backend="nccl" if args.device == "cuda" else "gloo")
     device = torch.device("cuda", env.local_rank) if args.device == "cuda" else torch.device("cpu")
-    result = run(args, env.rank, device)
-    if env.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(result, f)
-    minidp.shutdown()
+    worker.save_and_shut_down(run(args, env.rank, device), env.rank, out_path)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="minidp-compile-") as tmp:
-        out_path = os.path.join(tmp, "result.json")
-        minidp.launch(_entry, args.world_size, args=(args, out_path), timeout=3600)
-        with open(out_path) as f:
-            result = json.load(f)
+    result = worker.launch_for_json(_entry, args.world_size, (args,))
     print(table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -20,7 +20,6 @@ import json
 import os
 import pstats
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -32,6 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import minidp  # noqa: E402 - after the path set-up above, as in every script of this folder
+import worker  # noqa: E402
 import workloads  # noqa: E402
 
 
@@ -97,32 +97,27 @@ def _entry(local_rank, args, out_path):
     result = {"world_size": env.world_size, "grads": n_grads, "backward_ms": {k: v * 1e3 for k, v in medians.items()},
               "per_grad_us": {e: (medians[e] - medians["plain"]) / n_grads * 1e6 for e in ("minidp", "ddp")},
               "profile": profile_minidp(models["minidp"], x, y, n_grads)}
-    if env.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(result, f)
-    minidp.shutdown()
+    worker.save_and_shut_down(result, env.rank, out_path)
+
+
+def describe(r: dict) -> str:
+    """One world size's figures, as printed."""
+    lines = [f"world size {r['world_size']}: {r['grads']} gradients; backward ms (median): "
+             + ", ".join(f"{k} {v:.2f}" for k, v in r["backward_ms"].items()),
+             "  per-gradient cost over plain: " + ", ".join(f"{k} {v:.2f} us" for k, v in r["per_grad_us"].items()),
+             "  minidp backward under cProfile, per gradient: calls, own us, cumulative us"]
+    lines += [f"    {row['calls_per_grad']:5.2f} {row['own_us_per_grad']:7.2f} {row['cum_us_per_grad']:7.2f}  "
+              f"{row['function']}" for row in r["profile"]]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    results = []
-    for world_size in args.world_sizes:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "r.json")
-            minidp.launch(_entry, world_size, args=(args, out), timeout=900)
-            with open(out) as f:
-                results.append(json.load(f))
-        r = results[-1]
-        print(f"world size {world_size}: {r['grads']} gradients; backward ms (median): "
-              + ", ".join(f"{k} {v:.2f}" for k, v in r["backward_ms"].items()))
-        print("  per-gradient cost over plain: " + ", ".join(f"{k} {v:.2f} us" for k, v in r["per_grad_us"].items()))
-        print("  minidp backward under cProfile, per gradient: calls, own us, cumulative us")
-        for row in r["profile"]:
-            print(f"    {row['calls_per_grad']:5.2f} {row['own_us_per_grad']:7.2f} {row['cum_us_per_grad']:7.2f}  "
-                  f"{row['function']}")
+    results = [worker.launch_for_json(_entry, world_size, (args,), timeout=900) for world_size in args.world_sizes]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    print("\n".join(describe(r) for r in results))
     return 0
 
 

@@ -165,10 +165,11 @@ def autotune_table(autotune: list[dict]) -> str:
         rows.append([r["job"]["workload"], r["world_size"], f"{r['chosen']:g}", r["tuning_steps"],
                      ", ".join(f"{c}: {m:.1f}" for c, m in r["tuner_ms"].items()) or "(one layout)",
                      with_iqr(phases["minidp"]), ", ".join(f"{c}: {ms(m)}" for c, m in caps.items()),
-                     best, f"**{auto / caps[best]:.3f}**", f"{auto / phases['ddp']['median']:.3f}"])
+                     best, f"**{auto / caps[best]:.3f}**", f"{caps[format(r['chosen'], 'g')] / caps[best]:.3f}",
+                     f"{auto / phases['ddp']['median']:.3f}"])
     return table(["workload", "world", "chosen cap (MiB)", "tuning steps", "tuner's medians ms (rank 0)",
-                  "auto step ms [IQR]", "fixed caps, step ms", "best cap", "auto / best", "auto / DDP(chosen)"],
-                 rows)
+                  "auto step ms [IQR]", "fixed caps, step ms", "best cap", "auto / best",
+                  "chosen cap's own phase / best", "auto / DDP(chosen)"], rows)
 
 
 def section(meta: dict, timing: list[dict], memory: list[dict], autotune: list[dict] = ()) -> str:

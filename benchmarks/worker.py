@@ -66,3 +66,23 @@ def run_jobs(jobs: list[dict], world_size: int, backend: str, device_kind: str, 
                       timeout=timeout)
         with open(out_path) as f:
             return json.load(f)
+
+
+def launch_for_json(entry, world_size: int, args: tuple = (), timeout: float = 3600.0):
+    """Run `entry(local_rank, *args, out_path)` on `world_size` new processes; return what rank 0 saved.
+
+    `entry` ends with `save_and_shut_down(result, rank, out_path)`.
+    """
+    with tempfile.TemporaryDirectory(prefix="minidp-bench-") as tmp:
+        out_path = os.path.join(tmp, "result.json")
+        minidp.launch(entry, world_size, args=(*args, out_path), timeout=timeout)
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def save_and_shut_down(result, rank: int, out_path: str) -> None:
+    """Rank 0 writes `result` as JSON to `out_path`; every rank leaves the process group."""
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    minidp.shutdown()

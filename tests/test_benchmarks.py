@@ -123,6 +123,20 @@ def test_compare_rewrites_report_from_json(quick_compare, tmp_path):
     assert data["meta"]["command"] in text and "| deep300 | 2 |" in text
 
 
+# ---- hook_cost.py --quick --------------------------------------------------------------------------
+
+def test_hook_cost_quick(tmp_path):
+    import hook_cost
+    path = tmp_path / "hook_cost.json"
+    with workers_forked(), contextlib.redirect_stdout(io.StringIO()) as out:
+        assert hook_cost.main(["--quick", "--world-sizes", "1", "--json", str(path)]) == 0
+    (result,) = json.loads(path.read_text())
+    assert result["world_size"] == 1 and result["grads"] == 62  # quick deep300: 30 blocks + head, 2 each
+    assert set(result["per_grad_us"]) == {"minidp", "ddp"} and all(map(_is_positive, result["backward_ms"].values()))
+    assert any("_grad_ready" in row["function"] for row in result["profile"])  # the hook ran, profiled
+    assert "per-gradient cost over plain" in out.getvalue()
+
+
 # ---- timeline.py --quick ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

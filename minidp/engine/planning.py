@@ -253,7 +253,7 @@ def check_sparse_backend(params: list, names: list, sparse: Sequence[bool], back
 # ---- bucket_cap_mb="auto" -------------------------------------------------------------------------
 
 CANDIDATE_CAPS_MB = (1, 5, 25, 100)
-STEPS = 3  # timed steps per visit of a candidate (after one untimed step)
+STEPS = 5  # timed steps per visit of a candidate (after one untimed step)
 ROUNDS = 2  # visits per candidate: in order, then in reverse (drift of the machine hits all alike)
 
 
