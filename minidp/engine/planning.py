@@ -131,6 +131,7 @@ class Bucket:
     sparse: bool = False
     pending: int = 0              # gradients still to arrive this iteration
     deferred: list = field(default_factory=list, repr=False)  # (slot, grad, param) to copy at launch
+    in_place: list = field(default_factory=list, repr=False)  # slots already holding their gradient
     future: torch.futures.Future | None = field(default=None, repr=False)
 
 

@@ -209,7 +209,7 @@ class Reducer:
                 bucket.buffer = no_sparse_gradient(bucket.buffer)
             else:
                 bucket.buffer.zero_()
-            bucket.pending, bucket.deferred = 0, []
+            bucket.pending, bucket.deferred, bucket.in_place = 0, [], []
         self._launch_ready_buckets()  # ranks meet here: the buckets this rank had not launched
         self._end_iteration(failed=True, ready=self.ready)
         if self.timeline is not None:
@@ -226,7 +226,7 @@ class Reducer:
         self.divisor, self.scale, self.divisor_work = self.world_size, 1.0 / self.world_size, divisor_work
         self.ready = [False] * len(self.params)
         for bucket in self.buckets:
-            bucket.pending, bucket.future, bucket.deferred = len(bucket.param_indices), None, []
+            bucket.pending, bucket.future, bucket.deferred, bucket.in_place = len(bucket.param_indices), None, [], []
         self.next_bucket, self.expect_hooks = 0, True
 
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
@@ -279,7 +279,7 @@ class Reducer:
         view = bucket.views[slot]
         if grad.data_ptr() == view.data_ptr():  # already in the bucket (gradient_as_bucket_view)
             if default_path:
-                view.div_(self.divisor)
+                bucket.in_place.append(slot)  # divided at launch, with the others (_copy_deferred)
             return
         if self.small[bucket.param_indices[slot]]:
             bucket.deferred.append((slot, grad, param))  # copied in one batch at launch, the same products
@@ -292,7 +292,18 @@ class Reducer:
             param.grad = view
 
     def _copy_deferred(self, bucket: Bucket) -> None:
-        """Copy the bucket's deferred small gradients in (scaled by 1/divisor on the default path)."""
+        """At launch: divide the gradients already in the bucket, copy the deferred small ones in.
+
+        As DDP: a gradient that is the bucket's view (gradient_as_bucket_view) is divided by the divisor
+        in place; a copied one is multiplied by 1/divisor (on the default path; a comm hook averages).
+        """
+        if bucket.in_place:
+            if len(bucket.in_place) == len(bucket.views):
+                bucket.buffer.div_(self.divisor)  # every gradient is in the bucket: one op over the flat buffer
+            else:
+                for slot in bucket.in_place:
+                    bucket.views[slot].div_(self.divisor)
+            bucket.in_place = []
         if not bucket.deferred:
             return
         views = [bucket.views[slot] for slot, _, _ in bucket.deferred]
@@ -390,7 +401,7 @@ class Reducer:
         self.reducing = False
         self.completed += not failed_ranks  # the same count on every rank: the tuner steps by it
         for bucket in self.buckets:
-            bucket.future, bucket.deferred = None, []
+            bucket.future, bucket.deferred, bucket.in_place = None, [], []
         if failed_ranks and self.rebuild_pending:
             # Every rank drops the failed iteration's ready order, so all rebuild after the same iteration.
             self.ready_order = []
