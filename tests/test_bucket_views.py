@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
 from harness import run_ranks
-from minidp.engine.planning import build_buckets
+from minidp.engine.buckets import build_buckets
 
 STEPS, SHARD = 4, 2
 

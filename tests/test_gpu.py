@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import minidp
 import minidp.syncbn as syncbn
@@ -108,6 +109,8 @@ def _ddp_timeline_worker():
     _deterministic()
     env = minidp.init(backend="nccl", timeout=60)
     model = minidp.DDP(build("mlp").to(env.device), device_ids=[env.device.index], bucket_cap_mb=0.0005)
+    # World size 1 reduces nothing on the default path (no buckets); a comm hook gets every bucket.
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
     for step in range(2):  # step 0 reduces one bucket (DDP's policy), step 1 the rebuilt layout
         timeline = model.enable_timeline() if step == 1 else None
         model(torch.randn(4, 8, device=env.device)).sum().backward()

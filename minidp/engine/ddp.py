@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
-from torch.nn.utils.rnn import PackedSequence
 
 from ..validate import check_bool, check_number
 from . import debug as debug_mode
 from .collectives import broadcast_coalesced, check_same_across_ranks
+from .devices import check_devices, move_inputs
 from .graph_split import ModuleRunner, forward_outside_dynamo
 from .hooks import check_comm_hook
 from .join import JoinableDDP, broadcast_from_last_trainer, vote_to_sync
@@ -40,7 +40,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         init_sync: broadcast rank 0's parameters and buffers at construction. Default True.
         process_group: the group to average over. Default: the world.
         bucket_cap_mb: bucket size in MiB, or "auto": time a few caps in the first iterations and keep
-            the fastest, rank 0's choice on every rank (autotune.py; see `auto_bucket_cap`).
+            the fastest, rank 0's choice on every rank (planning.AutoCap; see `auto_bucket_cap`).
             Default None: 25 MiB, first bucket 1 MiB (DDP's).
         find_unused_parameters: parameters that get no gradient are reduced as zeros. Default False.
         check_reduction: ignored (deprecated in torch too).
@@ -81,7 +81,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         # Walked once: on a model of hundreds of tensors each walk of the module tree costs ~1 ms.
         all_named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
         buffers = [b for n, b in module.named_buffers() if n not in self.parameters_to_ignore]
-        self.input_device = _check_devices([p for _, p in all_named], device_ids)  # inputs go there (None: stay)
+        self.input_device = check_devices([p for _, p in all_named], device_ids)  # inputs go there (None: stay)
         self.device_ids = None if self.input_device is None else [self.input_device.index]  # as DDP's
         if not dist.is_initialized():
             raise RuntimeError("minidp.DDP needs a process group: call minidp.init() first")
@@ -300,7 +300,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
 
     @property
     def auto_bucket_cap(self):
-        """With bucket_cap_mb="auto", the tuner (autotune.AutoCap: `.chosen`, `.medians()`); else None."""
+        """With bucket_cap_mb="auto", the tuner (planning.AutoCap: `.chosen`, `.medians()`); else None."""
         return self.reducer.tuner
 
     @property
@@ -346,62 +346,3 @@ def _check_transport(transport, module: nn.Module, process_group):
     device = next(module.parameters()).device
     transport.check_device(device)  # ValueError naming the transport and the device
     return transport
-
-
-def _check_devices(params: list, device_ids) -> torch.device | None:
-    """The device inputs are moved to (None: not moved), refusing what DDP refuses, and multi-device modules.
-
-    A module on several devices is refused even without device_ids: the autograd engine runs each
-    device's part of backward on its own thread, and the reducer's state is not made for that.
-    """
-    devices = {p.device for p in params}
-    if len({d.type for d in devices}) > 1:
-        raise ValueError(f"minidp.DDP's module must be on one type of device, but its parameters are on {devices}")
-    if len(devices) > 1:
-        raise ValueError(f"minidp.DDP needs a single-device module (one device per process), but its parameters "
-                         f"are on {sorted(map(str, devices))}: its gradient hooks would run on several threads")
-    if device_ids is None or (isinstance(device_ids, (list, tuple)) and len(device_ids) == 0):
-        return None  # DDP treats [] as None too
-    if not isinstance(device_ids, (list, tuple)):
-        raise TypeError(f"device_ids={device_ids!r} must be None or a list holding one device")
-    if len(device_ids) != 1:
-        raise ValueError(f"device_ids={device_ids!r} must be None or a list holding one device (one per process)")
-    device = next(iter(devices))
-    if device.type == "cpu":
-        raise ValueError(f"device_ids={device_ids!r} given for a module on the CPU: pass device_ids=None")
-    target = torch.device(device.type, device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
-    if target.index is None:  # "cuda": the current device, as DDP reads it
-        target = torch.device(target.type, torch.accelerator.current_device_index())
-    if target != device:
-        raise ValueError(f"device_ids={device_ids!r}: the module is on {device}, not on {target}; "
-                         f"move it there first (module.to({str(target)!r}))")
-    return target
-
-
-def move_inputs(obj, device: torch.device):
-    """Move the tensors in a forward's inputs to `device`, as torch DDP does with device_ids (`_recursive_to`).
-
-    As in DDP: the copy is a plain, blocking `.to(device)` (never non_blocking); tensors and
-    PackedSequences already there, and containers holding only such things, are returned as they
-    are; namedtuples (PackedSequence too) and dict subclasses keep their type; anything else,
-    dataclasses included, is passed unchanged. (DDP copies from another GPU on a side stream;
-    here such a copy runs on the current stream, so it needs no extra synchronisation.)
-
-    Args:
-        obj: the positional inputs (a tuple) or keyword inputs (a dict), nested as the module likes.
-        device: the module's device (device_ids[0]).
-    """
-    if isinstance(obj, (torch.Tensor, PackedSequence)):
-        here = obj.data.device if isinstance(obj, PackedSequence) else obj.device
-        return obj if here == device else obj.to(device)
-    if not isinstance(obj, (tuple, list, dict)):
-        return obj
-    items = list(obj.values()) if isinstance(obj, dict) else list(obj)
-    moved = [move_inputs(item, device) for item in items]
-    if all(m is i for m, i in zip(moved, items)):
-        return obj
-    if isinstance(obj, dict):
-        return type(obj)(zip(obj.keys(), moved))
-    if hasattr(obj, "_fields") and hasattr(obj, "_asdict"):  # a namedtuple
-        return type(obj)(*moved)
-    return tuple(moved) if isinstance(obj, tuple) else moved  # DDP rebuilds plain tuples and lists

@@ -18,7 +18,8 @@ error, the timeline), the gradients stay where autograd put them (`reduce_locall
 
 A backward that raises (an error in the model, an out-of-memory caught and retried) skips step 4
 on that rank, possibly after launching some buckets; `prepare_for_forward` keeps the ranks in step.
-The bucket layout, the buffers and the write-back of a reduced buffer into `.grad` are in planning.py.
+The bucket layout is planned in planning.py; the buffers, the copies in and the write-back into
+`.grad` are in buckets.py.
 """
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ from torch.autograd import Variable
 
 from . import debug as debug_mode
 from . import planning
+from .buckets import Bucket, build_buckets, check_sparse_backend, copy_deferred, copy_in, no_sparse_gradient
+from .buckets import sparse_gradient_flags, write_back
 from .collectives import global_rank
 from .hooks import GradBucket, allreduce_sum_hook, bucket_result, call_comm_hook, hook_name
-from .planning import Bucket, no_sparse_gradient
 
 SMALL_GRAD_NUMEL = 65536  # gradients below this are copied into the bucket in one batch
 
@@ -51,7 +53,7 @@ class Reducer:
         static_graph: as DDP's; here it only selects DDP's bucket policy (see needs_rebuild). Default False.
         debug: debug mode's consistency checks (see check_consistency). Default False.
         expect_sparse_gradient: by parameter, whether its gradient is sparse
-            (planning.sparse_gradient_flags). Default: none is.
+            (buckets.sparse_gradient_flags). Default: none is.
         transport: a minidp.comm transport for the default path's all-reduce. Default None: process_group.
     """
 
@@ -62,7 +64,7 @@ class Reducer:
         self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self.device = self.params[0].device
         self.sparse = list(expect_sparse_gradient) or [False] * len(self.params)
-        planning.check_sparse_backend(self.params, self.names, self.sparse, dist.get_backend(process_group))
+        check_sparse_backend(self.params, self.names, self.sparse, dist.get_backend(process_group))
         if transport is not None and any(self.sparse):
             raise ValueError(f"transport={transport!r} carries dense buckets only, but parameter "
                              f"{self.names[self.sparse.index(True)]} has a sparse gradient")
@@ -86,7 +88,7 @@ class Reducer:
         # torch's condition: rebuild the buckets once, in gradient-ready order, after the first iteration.
         self.needs_rebuild = static_graph or not find_unused_parameters
         self.rebuild_pending, self.ready_order = self.needs_rebuild, []  # ready_order: for the rebuild
-        # bucket_cap_mb="auto": the tuner picks the cap in the first iterations (autotune.py).
+        # bucket_cap_mb="auto": the tuner picks the cap in the first iterations (planning.AutoCap).
         self.tuner = planning.AutoCap() if bucket_cap_mb == "auto" else None
         self.bucket_cap_mb = self.tuner.cap if self.tuner else bucket_cap_mb  # the cap in use
         limits = planning.bucket_limits(self.bucket_cap_mb, first_iteration=True, needs_rebuild=self.needs_rebuild)
@@ -95,7 +97,7 @@ class Reducer:
             # The bound method itself, with its index: one Python frame per gradient.
             p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
 
-    sparse_gradient_flags = staticmethod(planning.sparse_gradient_flags)  # for the wrapper's call
+    sparse_gradient_flags = staticmethod(sparse_gradient_flags)  # for the wrapper's call
 
     def register_comm_hook(self, state, hook) -> None:
         """Reduce each bucket with `hook(state, bucket)`, which gets the gradients unscaled (DDP's contract).
@@ -136,7 +138,7 @@ class Reducer:
         for b, indices in enumerate(self.layout):
             for i in indices:
                 self.bucket_index_of[i] = b
-        self.buckets = [] if self.reduce_locally else planning.build_buckets(plan, self.params, self.sparse)
+        self.buckets = [] if self.reduce_locally else build_buckets(plan, self.params, self.sparse)
         self.bucket_of, self.slot_of = [None] * len(self.params), [0] * len(self.params)
         for bucket in self.buckets:
             for slot, i in enumerate(bucket.param_indices):
@@ -252,9 +254,10 @@ class Reducer:
         if grad.is_sparse != bucket.sparse:
             raise RuntimeError(_sparse_mismatch(self.names[index], grad.is_sparse))
         if self.small[index] and not bucket.sparse and not self.gradient_as_bucket_view:
-            bucket.deferred.append((self.slot_of[index], grad, param))  # copied at launch (_copy_deferred)
+            bucket.deferred.append((self.slot_of[index], grad, param))  # copied at launch (copy_deferred)
         else:
-            self._copy_into_bucket(bucket, self.slot_of[index], param, grad)
+            copy_in(bucket, self.slot_of[index], param, grad, average=self.comm_hook is None, divisor=self.divisor,
+                    scale=self.scale, small=self.small[index], as_bucket_view=self.gradient_as_bucket_view)
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready_buckets()
@@ -270,58 +273,12 @@ class Reducer:
             self.divisor = self.divisor_work.result()[0].reshape(())
             self.scale = 1.0 / self.divisor.double()
 
-    def _copy_into_bucket(self, bucket: Bucket, slot: int, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """Put one gradient into its bucket; on the default path scaled by 1/divisor, DDP's numerics."""
-        default_path = self.comm_hook is None
-        if bucket.sparse:  # the gradient is the buffer: divided in place (DDP), reduced, copied back
-            bucket.buffer = grad.div_(self.divisor) if default_path else grad
-            return
-        view = bucket.views[slot]
-        if grad.data_ptr() == view.data_ptr():  # already in the bucket (gradient_as_bucket_view)
-            if default_path:
-                bucket.in_place.append(slot)  # divided at launch, with the others (_copy_deferred)
-            return
-        if self.small[bucket.param_indices[slot]]:
-            bucket.deferred.append((slot, grad, param))  # copied in one batch at launch, the same products
-            return
-        if default_path:
-            torch.mul(grad, self.scale, out=view)  # DDP: multiply by the reciprocal while copying
-        else:
-            view.copy_(grad)
-        if self.gradient_as_bucket_view:  # from now on the gradient lives in the bucket
-            param.grad = view
-
-    def _copy_deferred(self, bucket: Bucket) -> None:
-        """At launch: divide the gradients already in the bucket, copy the deferred small ones in.
-
-        As DDP: a gradient that is the bucket's view (gradient_as_bucket_view) is divided by the divisor
-        in place; a copied one is multiplied by 1/divisor (on the default path; a comm hook averages).
-        """
-        if bucket.in_place:
-            if len(bucket.in_place) == len(bucket.views):
-                bucket.buffer.div_(self.divisor)  # every gradient is in the bucket: one op over the flat buffer
-            else:
-                for slot in bucket.in_place:
-                    bucket.views[slot].div_(self.divisor)
-            bucket.in_place = []
-        if not bucket.deferred:
-            return
-        views = [bucket.views[slot] for slot, _, _ in bucket.deferred]
-        torch._foreach_copy_(views, [grad for _, grad, _ in bucket.deferred])
-        if self.comm_hook is None and len(views) == len(bucket.views):
-            bucket.buffer.mul_(self.scale)  # every slot was deferred: one op over the flat buffer
-        elif self.comm_hook is None:
-            torch._foreach_mul_(views, self.scale)
-        if self.gradient_as_bucket_view:
-            for view, (_, _, param) in zip(views, bucket.deferred):
-                param.grad = view
-        bucket.deferred = []
-
     def _launch_ready_buckets(self) -> None:
         """Launch complete buckets strictly in index order: every rank issues the same sequence."""
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
             bucket = self.buckets[self.next_bucket]
-            self._copy_deferred(bucket)
+            copy_deferred(bucket, average=self.comm_hook is None, divisor=self.divisor, scale=self.scale,
+                          as_bucket_view=self.gradient_as_bucket_view)
             if bucket.index == 0:
                 self.check_consistency(debug_mode.BACKWARD)
             if self.timeline is not None:
@@ -367,7 +324,7 @@ class Reducer:
                 "error, then go on: the ranks stay equal.")
         globally_unused = {i for i, count in enumerate(used) if count == 0} if used is not None else set()
         for bucket, result in zip(self.buckets, results):
-            planning.write_back(bucket, result, self.params, self.gradient_as_bucket_view, globally_unused)
+            write_back(bucket, result, self.params, self.gradient_as_bucket_view, globally_unused)
         if self.timeline is not None:
             self.timeline.record("finalize_end")
 
