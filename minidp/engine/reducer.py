@@ -31,8 +31,16 @@ from torch.autograd import Variable
 
 from . import debug as debug_mode
 from . import planning
-from .buckets import Bucket, build_buckets, check_sparse_backend, copy_deferred, copy_in, no_sparse_gradient
-from .buckets import sparse_gradient_flags, write_back
+from .buckets import (
+    Bucket,
+    build_buckets,
+    check_sparse_backend,
+    copy_deferred,
+    copy_in,
+    no_sparse_gradient,
+    sparse_gradient_flags,
+    write_back,
+)
 from .collectives import global_rank
 from .hooks import GradBucket, allreduce_sum_hook, bucket_result, call_comm_hook, hook_name
 
