@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.overrides import TorchFunctionMode
 
@@ -350,16 +351,43 @@ class _RankLocal(nn.Module):
         return self.bn(self.lin(x))
 
 
-def _surface(engine, ignore=(), **kwargs):
+def _plain(obj):
+    """Containers as they are, tensors as (device, values): comparable with ==."""
+    if isinstance(obj, torch.Tensor):
+        return "tensor", str(obj.device), obj.tolist()
+    if isinstance(obj, dict):
+        return type(obj).__name__, {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj).__name__, [_plain(v) for v in obj]
+    return obj
+
+
+def _helpers(model):
+    """torch DDP's to_kwargs / scatter / gather, called as old scripts call them (results or errors)."""
+    x, y = torch.arange(4.0).reshape(2, 2), torch.ones(3)
+    return {"to_kwargs": _plain(model.to_kwargs((x, [y]), {"k": y}, 0)),
+            "to_kwargs_args_only": _plain(model.to_kwargs((x,), {}, 0)),
+            "to_kwargs_kwargs_only": _plain(model.to_kwargs((), {"k": y}, 0)),
+            "to_kwargs_empty": _plain(model.to_kwargs((), {}, 0)),
+            "scatter": _plain(_outcome(model.scatter, (x,), {"k": y}, [0])),
+            "scatter_none": _plain(_outcome(model.scatter, (x,), {}, None)),
+            "gather": _plain(_outcome(model.gather, [x, x], "cpu"))}
+
+
+def _surface(engine, ignore=(), mesh=False, **kwargs):
     """What a script may read or rely on after DDP(module, **kwargs), then after two steps."""
     torch.manual_seed(dist.get_rank())  # every rank starts from different weights
     module = _RankLocal()
     if ignore:
         engine._set_params_and_buffers_to_ignore_for_model(module, list(ignore))
+    if mesh:  # DDP(module, device_mesh=a 1-D mesh over the world)
+        kwargs["device_mesh"] = init_device_mesh("cpu", (dist.get_world_size(),))
     model = engine(module, **kwargs)
     state_at_init = {k: v.clone() for k, v in module.state_dict().items()}
     seen = {"bucket_bytes_cap": model.bucket_bytes_cap, "device": model.device, "device_type": model.device_type,
-            "parameters_to_ignore": set(model.parameters_to_ignore), "sync": model.will_sync_module_buffers()}
+            "parameters_to_ignore": set(model.parameters_to_ignore), "sync": model.will_sync_module_buffers(),
+            "group_is_world": model.process_group is dist.group.WORLD,
+            "group_ranks": dist.get_process_group_ranks(model.process_group), **_helpers(model)}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(10 + dist.get_rank())
     for _ in range(2):
@@ -382,6 +410,7 @@ SURFACE_CASES = {
     "broadcast_buffers_off": {"broadcast_buffers": False},  # buffers stay each rank's, at init too
     "cap_5": {"bucket_cap_mb": 5},
     "ignored": {"ignore": ("lin.bias", "mine")},  # neither broadcast nor averaged: stays each rank's own
+    "device_mesh": {"mesh": True},
 }
 if "forward_sync_buffers" in inspect.signature(TorchDDP.__init__).parameters:  # torch >= 2.14
     SURFACE_CASES["forward_sync_off"] = {"forward_sync_buffers": False}  # synced at init, not in forward
@@ -405,3 +434,18 @@ def test_public_surface_buffers_at_init_and_ignored_parameters_as_torch_ddp():
     assert [r["torch", "default"][1]["mine"][0].item() for r in results] == [0.0, 0.0]
     bias = [r["torch", "ignored"][2]["lin.bias"] for r in results]
     assert not torch.equal(bias[0], bias[1])
+
+
+def _mesh_errors_worker():
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    square = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("a", "b"))
+    cases = {"both": dict(process_group=dist.group.WORLD, device_mesh=mesh), "two_d": dict(device_mesh=square)}
+    return {(label, name): _outcome(lambda: engine(nn.Linear(2, 2), **case) and "built")
+            for name, case in cases.items() for label, engine in ENGINES.items()}
+
+
+def test_device_mesh_errors_as_torch_ddp():
+    out = run_ranks(_mesh_errors_worker, 2)[0]
+    for name in ("both", "two_d"):
+        assert out["minidp", name] == out["torch", name] and out["torch", name][0] == "RuntimeError", out
+    assert "Only 1D device mesh" in out["torch", "two_d"][1]

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
+from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from ..validate import check_bool, check_number
 from . import debug as debug_mode
@@ -38,7 +39,9 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) at construction and
             forward. Default True.
         init_sync: broadcast rank 0's parameters and buffers at construction. Default True.
-        process_group: the group to average over. Default: the world.
+        process_group: the group to average over. Default: the world (`self.process_group` is then
+            the default group, as DDP's).
+        device_mesh: a 1-D torch DeviceMesh: average over its group instead (not with process_group).
         bucket_cap_mb: bucket size in MiB, or "auto": time a few caps in the first iterations and keep
             the fastest, rank 0's choice on every rank (planning.AutoCap; see `auto_bucket_cap`).
             Default None: 25 MiB, first bucket 1 MiB (DDP's).
@@ -68,9 +71,11 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, debug: bool | None = None, transport=None,
-                 forward_sync_buffers: bool | None = None, batched_grad_copy: bool = False, **unsupported):
+                 forward_sync_buffers: bool | None = None, batched_grad_copy: bool = False, device_mesh=None,
+                 **unsupported):
         super().__init__()
         JoinableDDP.__init__(self)
+        process_group = _group_of_mesh(device_mesh, process_group)
         broadcast_buffers = True if broadcast_buffers is None else broadcast_buffers  # torch >= 2.14's default
         flags = dict(broadcast_buffers=broadcast_buffers, init_sync=init_sync, static_graph=static_graph, debug=debug,
                      find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
@@ -85,7 +90,9 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self.device_ids = None if self.input_device is None else [self.input_device.index]  # as DDP's
         if not dist.is_initialized():
             raise RuntimeError("minidp.DDP needs a process group: call minidp.init() first")
-        self.module, self.process_group, self.dim = module, process_group, dim
+        # As DDP's attribute: the group itself, the default one when none was given.
+        self.module, self.process_group, self.dim = module, dist.group.WORLD if process_group is None else process_group, dim
+        self.device_mesh = device_mesh
         self.output_device = output_device
         # Buffers: torch >= 2.14 splits broadcast_buffers (at construction and in forward) into
         # forward_sync_buffers (in forward only; with it, buffers are always synced at construction).
@@ -104,7 +111,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self.debug = debug_mode.debug_from_env() if debug is None else debug
         self.has_buffers = bool(buffers)  # else skip the walk on every forward
         self._ignored_buffers = len(buffers) != sum(1 for _ in module.buffers())  # then sync_buffers filters
-        self.transport = _check_transport(transport, module, process_group)
+        self.transport = _check_transport(transport, module, self.process_group)
         named = [(n, p) for n, p in all_named if p.requires_grad]
         self._verify_across_ranks(named, bucket_cap_mb)
         if not named:
@@ -112,7 +119,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
                                "there is nothing to average (DDP is not needed)")
         if init_sync:
             states = [p for _, p in all_named] + (buffers if sync_at_init else [])
-            broadcast_coalesced(states, process_group)  # ranks meet here: rank 0's weights win
+            broadcast_coalesced(states, self.process_group)  # ranks meet here: rank 0's weights win
         self._build_reducer(named)
         # The module; compiled, in bucket-sized pieces (cut at the default caps while "auto" is undecided).
         self._run_module = ModuleRunner(module, None if bucket_cap_mb == "auto" else bucket_cap_mb)
@@ -139,7 +146,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         They hold live communication state (futures, hooks on this process's parameters); a loaded
         copy rebuilds them on the default process group (`__setstate__`), with no collective.
         """
-        if self.process_group is not None and self.process_group != dist.group.WORLD:
+        if self.process_group != dist.group.WORLD:
             raise RuntimeError("minidp.DDP can be pickled only on the default process group (as torch DDP): "
                                f"this one was built with process_group={self.process_group!r}")
         if self.transport is not None:
@@ -154,7 +161,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             raise RuntimeError("loading a pickled minidp.DDP needs the default process group: call "
                                "minidp.init() first (its reducer is rebuilt on that group)")
         super().__setstate__(state)
-        self.process_group = None
+        self.process_group = dist.group.WORLD
         self._build_reducer()  # fresh, as DDP's: the first iteration uses the initial bucket layout
         if self._comm_hook is not None:  # unlike torch DDP, which drops it from the rebuilt reducer
             self.reducer.register_comm_hook(*self._comm_hook)
@@ -309,7 +316,39 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         return self.reducer.device
 
 
+    # torch DDP's input/output helpers, kept for scripts that call them (minidp's forward needs none).
+    def to_kwargs(self, inputs, kwargs, device_id):
+        """`inputs` and `kwargs` moved to device `device_id` of the module's type, as DDP's: ((inputs,), (kwargs,))."""
+        if not inputs and not kwargs:
+            return (), ()
+        device = torch.device(self.device_type, device_id)
+        return ((move_inputs(inputs, device) if inputs else (),),
+                (move_inputs(kwargs, device) if kwargs else {},))
+
+    def scatter(self, inputs, kwargs, device_ids):
+        """torch.nn.parallel.scatter_kwargs along `self.dim`, as DDP's."""
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def gather(self, outputs, output_device):
+        """torch.nn.parallel.gather along `self.dim`, as DDP's."""
+        return gather(outputs, output_device, dim=self.dim)
+
+
 DDP = DistributedDataParallel
+
+
+def _group_of_mesh(device_mesh, process_group):
+    """The group to average over given device_mesh (DDP's rules): a 1-D mesh's group, or process_group."""
+    if device_mesh is None:
+        return process_group
+    from torch.distributed.device_mesh import DeviceMesh  # here: only scripts that pass a mesh need it
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh={device_mesh!r} must be a torch.distributed.DeviceMesh or None")
+    if process_group is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")  # DDP's words
+    if device_mesh.ndim != 1:
+        raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+    return device_mesh.get_group(mesh_dim=0)
 
 
 def _check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupported: dict) -> None:
