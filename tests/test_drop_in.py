@@ -440,7 +440,7 @@ def _mesh_errors_worker():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     square = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("a", "b"))
     cases = {"both": dict(process_group=dist.group.WORLD, device_mesh=mesh), "two_d": dict(device_mesh=square)}
-    return {(label, name): _outcome(lambda: engine(nn.Linear(2, 2), **case) and "built")
+    return {(label, name): _outcome(lambda e, c: e(nn.Linear(2, 2), **c) and "built", engine, case)
             for name, case in cases.items() for label, engine in ENGINES.items()}
 
 

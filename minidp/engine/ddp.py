@@ -90,8 +90,9 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self.device_ids = None if self.input_device is None else [self.input_device.index]  # as DDP's
         if not dist.is_initialized():
             raise RuntimeError("minidp.DDP needs a process group: call minidp.init() first")
+        self.module, self.dim = module, dim
         # As DDP's attribute: the group itself, the default one when none was given.
-        self.module, self.process_group, self.dim = module, dist.group.WORLD if process_group is None else process_group, dim
+        self.process_group = dist.group.WORLD if process_group is None else process_group
         self.device_mesh = device_mesh
         self.output_device = output_device
         # Buffers: torch >= 2.14 splits broadcast_buffers (at construction and in forward) into
