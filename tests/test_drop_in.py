@@ -449,3 +449,32 @@ def test_device_mesh_errors_as_torch_ddp():
     for name in ("both", "two_d"):
         assert out["minidp", name] == out["torch", name] and out["torch", name][0] == "RuntimeError", out
     assert "Only 1D device mesh" in out["torch", "two_d"][1]
+
+
+# ---- torch DDP's built-in (C++) comm hooks, registered by type ---------------------------------------
+
+def _builtin_hook_worker():
+    out = {}
+    for hook_type in (dist.BuiltinCommHookType.ALLREDUCE, dist.BuiltinCommHookType.FP16_COMPRESS):
+        params = {}
+        for label, engine in ENGINES.items():
+            torch.manual_seed(0)
+            model = engine(build("mlp"), bucket_cap_mb=0.001)  # several buckets
+            model._register_builtin_comm_hook(hook_type)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            gen = torch.Generator().manual_seed(1 + dist.get_rank())
+            for _ in range(4):
+                model(torch.randn(8, 8, generator=gen)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            params[label] = torch.cat([p.detach().flatten() for p in model.parameters()])
+        out[hook_type.name] = torch.equal(params["minidp"], params["torch"])
+    out["bad_type"] = _outcome(minidp.DDP(nn.Linear(2, 2))._register_builtin_comm_hook, "ALLREDUCE")
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_builtin_comm_hooks_bitwise_as_torch_ddp(world_size):
+    for out in run_ranks(_builtin_hook_worker, world_size, timeout=200):
+        assert out["ALLREDUCE"] and out["FP16_COMPRESS"], out
+        assert out["bad_type"][0] == "TypeError" and "comm_hook_type='ALLREDUCE'" in out["bad_type"][1]

@@ -294,6 +294,21 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self.reducer.register_comm_hook(state, hook)  # RuntimeError if one is registered already
         self._comm_hook = (state, hook)
 
+    def _register_builtin_comm_hook(self, comm_hook_type) -> None:
+        """torch DDP's built-in hooks by type (dist.BuiltinCommHookType): ALLREDUCE, FP16_COMPRESS.
+
+        torch runs them in C++; here they are torch's Python hooks that do the same arithmetic
+        (divide by the world size, in fp16 for FP16_COMPRESS, then sum), so results stay bitwise DDP's.
+        """
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # here: few scripts need it
+        hooks = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+                 dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+        if comm_hook_type not in hooks:
+            raise TypeError(f"comm_hook_type={comm_hook_type!r} must be a torch.distributed.BuiltinCommHookType "
+                            "(ALLREDUCE or FP16_COMPRESS)")
+        self.register_comm_hook(None if self.process_group == dist.group.WORLD else self.process_group,
+                                hooks[comm_hook_type])
+
     def enable_timeline(self) -> Timeline:
         """Start recording gradient-ready, launch and completion events; returns the Timeline."""
         self.reducer.timeline = Timeline()
