@@ -50,3 +50,5 @@ def pytest_terminal_summary(terminalreporter):
     if harness is not None:
         counts = harness.START_METHODS
         terminalreporter.write_line(f"test workers: {counts['fork']} launches forked, {counts['spawn']} spawned")
+        for test in sorted(set(harness.SPAWNED_IN)):
+            terminalreporter.write_line(f"  spawned in {test}")

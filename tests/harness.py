@@ -61,11 +61,14 @@ def worker_start_method() -> str:
 
 
 START_METHODS: dict[str, int] = {"fork": 0, "spawn": 0}  # launches so far, by start method (conftest reports)
+SPAWNED_IN: list[str] = []  # the tests whose workers were spawned (each a fork's saving lost)
 
 
 def _pick_start_method(_fn) -> str:
     method = worker_start_method()
     START_METHODS[method] += 1
+    if method == "spawn":
+        SPAWNED_IN.append(os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0])
     if method == "fork":  # torch DDP's constructor imports torch._dynamo (~3 s): once here, not in every worker
         importlib.import_module("torch._dynamo")
     return method

@@ -374,6 +374,17 @@ def _helpers(model):
             "gather": _plain(_outcome(model.gather, [x, x], "cpu"))}
 
 
+def _sgd_steps(model, steps: int, seed: int, shape: tuple) -> torch.Generator:
+    """`steps` SGD steps on this rank's own random batches; returns their generator, to draw more."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(seed + dist.get_rank())
+    for _ in range(steps):
+        model(torch.randn(*shape, generator=gen)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return gen
+
+
 def _surface(engine, ignore=(), mesh=False, **kwargs):
     """What a script may read or rely on after DDP(module, **kwargs), then after two steps."""
     torch.manual_seed(dist.get_rank())  # every rank starts from different weights
@@ -388,12 +399,7 @@ def _surface(engine, ignore=(), mesh=False, **kwargs):
             "parameters_to_ignore": set(model.parameters_to_ignore), "sync": model.will_sync_module_buffers(),
             "group_is_world": model.process_group is dist.group.WORLD,
             "group_ranks": dist.get_process_group_ranks(model.process_group), **_helpers(model)}
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(10 + dist.get_rank())
-    for _ in range(2):
-        model(torch.randn(5, 6, generator=gen)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+    gen = _sgd_steps(model, 2, seed=10, shape=(5, 6))
     with model.no_sync():
         model(torch.randn(5, 6, generator=gen))
     seen["sync_after_no_sync"] = model.will_sync_module_buffers()
@@ -461,12 +467,7 @@ def _builtin_hook_worker():
             torch.manual_seed(0)
             model = engine(build("mlp"), bucket_cap_mb=0.001)  # several buckets
             model._register_builtin_comm_hook(hook_type)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            gen = torch.Generator().manual_seed(1 + dist.get_rank())
-            for _ in range(4):
-                model(torch.randn(8, 8, generator=gen)).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
+            _sgd_steps(model, 4, seed=1, shape=(8, 8))
             params[label] = torch.cat([p.detach().flatten() for p in model.parameters()])
         out[hook_type.name] = torch.equal(params["minidp"], params["torch"])
     out["bad_type"] = _outcome(minidp.DDP(nn.Linear(2, 2))._register_builtin_comm_hook, "ALLREDUCE")

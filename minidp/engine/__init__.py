@@ -10,6 +10,7 @@
   collectives.py  coalesced broadcast, cross-rank agreement checks
   join.py         uneven inputs on torch's Join protocol
   debug.py        debug mode: per-step fingerprints of what each rank reduces
+  arguments.py    the constructor's checks before any collective: arguments, device_mesh, transport
   devices.py      one device per process: device_ids checked, inputs moved there as DDP does
   timeline.py     the event recorder behind model.enable_timeline()
   graph_split.py  a torch.compile backend that cuts the graph at bucket boundaries, so gradients

@@ -7,7 +7,6 @@ The gradient averaging itself lives in reducer.py.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 
 import torch
@@ -16,8 +15,8 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
-from ..validate import check_bool, check_number
 from . import debug as debug_mode
+from .arguments import check_arguments, check_transport, group_of_mesh
 from .collectives import broadcast_coalesced, check_same_across_ranks
 from .devices import check_devices, move_inputs
 from .graph_split import ModuleRunner, forward_outside_dynamo
@@ -75,12 +74,12 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
                  **unsupported):
         super().__init__()
         JoinableDDP.__init__(self)
-        process_group = _group_of_mesh(device_mesh, process_group)
+        process_group = group_of_mesh(device_mesh, process_group)
         broadcast_buffers = True if broadcast_buffers is None else broadcast_buffers  # torch >= 2.14's default
         flags = dict(broadcast_buffers=broadcast_buffers, init_sync=init_sync, static_graph=static_graph, debug=debug,
                      find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
                      forward_sync_buffers=forward_sync_buffers, batched_grad_copy=batched_grad_copy)
-        _check_arguments(module, bucket_cap_mb, process_group, flags, unsupported)
+        check_arguments(module, bucket_cap_mb, process_group, flags, unsupported)
         # DDP._set_params_and_buffers_to_ignore_for_model(module, names): neither broadcast nor averaged.
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         # Walked once: on a model of hundreds of tensors each walk of the module tree costs ~1 ms.
@@ -112,7 +111,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self.debug = debug_mode.debug_from_env() if debug is None else debug
         self.has_buffers = bool(buffers)  # else skip the walk on every forward
         self._ignored_buffers = len(buffers) != sum(1 for _ in module.buffers())  # then sync_buffers filters
-        self.transport = _check_transport(transport, module, self.process_group)
+        self.transport = check_transport(transport, module, self.process_group)
         named = [(n, p) for n, p in all_named if p.requires_grad]
         self._verify_across_ranks(named, bucket_cap_mb)
         if not named:
@@ -351,53 +350,3 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
 
 
 DDP = DistributedDataParallel
-
-
-def _group_of_mesh(device_mesh, process_group):
-    """The group to average over given device_mesh (DDP's rules): a 1-D mesh's group, or process_group."""
-    if device_mesh is None:
-        return process_group
-    from torch.distributed.device_mesh import DeviceMesh  # here: only scripts that pass a mesh need it
-    if not isinstance(device_mesh, DeviceMesh):
-        raise TypeError(f"device_mesh={device_mesh!r} must be a torch.distributed.DeviceMesh or None")
-    if process_group is not None:
-        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")  # DDP's words
-    if device_mesh.ndim != 1:
-        raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
-    return device_mesh.get_group(mesh_dim=0)
-
-
-def _check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupported: dict) -> None:
-    """The constructor's checks that need no process group (they raise before any collective)."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module={type(module).__name__} must be a torch.nn.Module")
-    for name, flag in flags.items():
-        if not (name in ("debug", "forward_sync_buffers") and flag is None):  # None: MINIDP_DEBUG / torch's rule
-            check_bool(name, flag)
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(f"process_group={process_group!r} must be a torch.distributed.ProcessGroup or None")
-    if isinstance(bucket_cap_mb, str) and bucket_cap_mb != "auto":
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number of MiB > 0, None or \"auto\"")
-    if bucket_cap_mb is not None and bucket_cap_mb != "auto":  # MiB; None: DDP's default (25, first bucket 1)
-        check_number("bucket_cap_mb", bucket_cap_mb, positive=True)
-        if not math.isfinite(bucket_cap_mb):
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be finite (a number of MiB)")
-    for name, value in unsupported.items():
-        if value not in (None, False):
-            raise ValueError(f"minidp.DDP does not support {name}={value!r}")
-
-
-def _check_transport(transport, module: nn.Module, process_group):
-    """The transport for the default all-reduce (None: process_group): a minidp.comm one, for this module's ranks."""
-    if transport is None:
-        return None
-    from ..comm.transports import Transport  # here: minidp.comm is not needed by the plain engine
-    if not isinstance(transport, Transport):
-        raise TypeError(f"transport={transport!r} must be a minidp.comm transport (comm.TorchDist(), "
-                        "comm.CupyNccl()) or None")
-    if transport.world_size != dist.get_world_size(process_group):
-        raise ValueError(f"transport={transport!r} spans {transport.world_size} ranks, but process_group has "
-                         f"{dist.get_world_size(process_group)}: it must carry the same ranks")
-    device = next(module.parameters()).device
-    transport.check_device(device)  # ValueError naming the transport and the device
-    return transport

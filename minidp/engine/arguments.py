@@ -1,0 +1,64 @@
+"""The wrapper's constructor checks that run before any collective: arguments, device_mesh, transport.
+
+A bad argument raises on every rank before the ranks meet (TypeError for a wrong type, ValueError for
+a wrong value, torch DDP's RuntimeError where torch raises one), so no rank waits in a collective that
+another rank never starts.
+"""
+from __future__ import annotations
+
+import math
+
+import torch.distributed as dist
+from torch import nn
+
+from ..validate import check_bool, check_number
+
+
+def group_of_mesh(device_mesh, process_group):
+    """The group to average over given device_mesh (DDP's rules): a 1-D mesh's group, or process_group."""
+    if device_mesh is None:
+        return process_group
+    from torch.distributed.device_mesh import DeviceMesh  # here: only scripts that pass a mesh need it
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh={device_mesh!r} must be a torch.distributed.DeviceMesh or None")
+    if process_group is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")  # DDP's words
+    if device_mesh.ndim != 1:
+        raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+    return device_mesh.get_group(mesh_dim=0)
+
+
+def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupported: dict) -> None:
+    """The constructor's checks that need no process group (they raise before any collective)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module={type(module).__name__} must be a torch.nn.Module")
+    for name, flag in flags.items():
+        if not (name in ("debug", "forward_sync_buffers") and flag is None):  # None: MINIDP_DEBUG / torch's rule
+            check_bool(name, flag)
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group={process_group!r} must be a torch.distributed.ProcessGroup or None")
+    if isinstance(bucket_cap_mb, str) and bucket_cap_mb != "auto":
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number of MiB > 0, None or \"auto\"")
+    if bucket_cap_mb is not None and bucket_cap_mb != "auto":  # MiB; None: DDP's default (25, first bucket 1)
+        check_number("bucket_cap_mb", bucket_cap_mb, positive=True)
+        if not math.isfinite(bucket_cap_mb):
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be finite (a number of MiB)")
+    for name, value in unsupported.items():
+        if value not in (None, False):
+            raise ValueError(f"minidp.DDP does not support {name}={value!r}")
+
+
+def check_transport(transport, module: nn.Module, process_group):
+    """The transport for the default all-reduce (None: process_group): a minidp.comm one, for this module's ranks."""
+    if transport is None:
+        return None
+    from ..comm.transports import Transport  # here: minidp.comm is not needed by the plain engine
+    if not isinstance(transport, Transport):
+        raise TypeError(f"transport={transport!r} must be a minidp.comm transport (comm.TorchDist(), "
+                        "comm.CupyNccl()) or None")
+    if transport.world_size != dist.get_world_size(process_group):
+        raise ValueError(f"transport={transport!r} spans {transport.world_size} ranks, but process_group has "
+                         f"{dist.get_world_size(process_group)}: it must carry the same ranks")
+    device = next(module.parameters()).device
+    transport.check_device(device)  # ValueError naming the transport and the device
+    return transport
