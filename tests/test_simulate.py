@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import minidp
+from harness import run_ranks
 from minidp.engine import planning
 from minidp.study.network import Link, Network, allreduce_time, fit_ring, measure_allreduce
 from minidp.study.simulate import MIB, Profile, best_cap, plan_buckets, scaling, simulate_step
@@ -79,7 +80,15 @@ def test_step_model_by_hand():
 
 
 def _record_one_step():
-    """A real timeline of one step (world size 1, in this process) and the parameters' sizes."""
+    """A real timeline of one step (world size 1) and the parameters' sizes.
+
+    In a worker: a process group in the pytest process leaves gloo's and the store's threads behind,
+    and every later test would then have to spawn its workers instead of forking them.
+    """
+    return run_ranks(_record_one_step_worker, 1, init=False)[0]
+
+
+def _record_one_step_worker():
     minidp.init(rank=0, world_size=1, backend="gloo")
     try:
         torch.manual_seed(0)

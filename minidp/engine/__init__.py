@@ -9,6 +9,7 @@
   hooks.py        GradBucket and the default all-reduce hook (DDP's comm-hook contract)
   collectives.py  coalesced broadcast, cross-rank agreement checks
   join.py         uneven inputs on torch's Join protocol
+  static_graph.py static_graph=True: hook counts learned in the first iteration (unused, checkpointed)
   debug.py        debug mode: per-step fingerprints of what each rank reduces
   arguments.py    the constructor's checks before any collective: arguments, device_mesh, transport
   devices.py      one device per process: device_ids checked, inputs moved there as DDP does

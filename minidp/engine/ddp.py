@@ -47,7 +47,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         find_unused_parameters: parameters that get no gradient are reduced as zeros. Default False.
         check_reduction: ignored (deprecated in torch too).
         gradient_as_bucket_view: `.grad` tensors become views into the buckets. Default False.
-        static_graph: accepted; selects the same bucket policy as find_unused_parameters=False.
+        static_graph: the same parameters are used, as often, every iteration: some may be unused and a
+            hook may fire several times (activation checkpointing), as in DDP (static_graph.py). Default False.
         debug: check every step that all ranks reduce the same thing (see debug.py).
             Default None: on when the environment has MINIDP_DEBUG=1.
         transport: a minidp.comm transport (e.g. comm.CupyNccl(), comm.TorchDist(group)) that carries
@@ -307,6 +308,12 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
                             "(ALLREDUCE or FP16_COMPRESS)")
         self.register_comm_hook(None if self.process_group == dist.group.WORLD else self.process_group,
                                 hooks[comm_hook_type])
+
+    def _set_static_graph(self) -> None:
+        """static_graph=True after construction, before the first iteration (torch DDP's private API)."""
+        if not self.static_graph:  # torch only warns when it is set already
+            self.reducer.set_static_graph()
+            self.static_graph = True
 
     def enable_timeline(self) -> Timeline:
         """Start recording gradient-ready, launch and completion events; returns the Timeline."""

@@ -43,6 +43,7 @@ from .buckets import (
 )
 from .collectives import global_rank
 from .hooks import GradBucket, allreduce_sum_hook, bucket_result, call_comm_hook, hook_name
+from .static_graph import StaticGraph
 
 SMALL_GRAD_NUMEL = 65536  # gradients below this are copied into the bucket in one batch
 
@@ -58,7 +59,8 @@ class Reducer:
         bucket_cap_mb: DDP's bucket_cap_mb, or "auto" (planning.AutoCap). Default None: 25 MiB, first 1 MiB.
         find_unused_parameters: reduce parameters that got no gradient as zeros. Default False.
         gradient_as_bucket_view: make each `.grad` a view into its bucket (no copy back). Default False.
-        static_graph: as DDP's; here it only selects DDP's bucket policy (see needs_rebuild). Default False.
+        static_graph: as DDP's: the same parameters are used, as often, every iteration (static_graph.py).
+            Default False.
         debug: debug mode's consistency checks (see check_consistency). Default False.
         expect_sparse_gradient: by parameter, whether its gradient is sparse
             (buckets.sparse_gradient_flags). Default: none is.
@@ -79,6 +81,7 @@ class Reducer:
         self.transport = transport  # None: the default path's all-reduce runs on process_group
         self.find_unused_parameters, self.gradient_as_bucket_view = find_unused_parameters, gradient_as_bucket_view
         self.debug = debug
+        self.static = StaticGraph(self.names) if static_graph else None  # static_graph=True's hook counts
         self.comm_hook, self.comm_state = None, None  # None: the default path (allreduce_sum_hook)
         # One rank, default path: the average is the gradient itself; no buffers, copies or collectives.
         self.reduce_locally = self.world_size == 1 and transport is None
@@ -119,6 +122,13 @@ class Reducer:
         if self.reduce_locally:  # world size 1: now there are buckets, and the hook sees every one (DDP)
             self.reduce_locally = False
             self._build(self.layout)
+
+    def set_static_graph(self) -> None:
+        """static_graph=True after construction (torch DDP's _set_static_graph), before the first iteration."""
+        if self.iteration > 0:
+            raise RuntimeError("set_static_graph() should be called before training loop starts and after "
+                               "DistributedDataParallel is constructed.")  # torch's words
+        self.static, self.needs_rebuild, self.rebuild_pending = StaticGraph(self.names), True, True
 
     def check_consistency(self, phase: int) -> None:
         """Debug mode: every rank checks that all are in the same iteration with the same buckets.
@@ -235,6 +245,8 @@ class Reducer:
         self.iteration += 1
         self.divisor, self.scale, self.divisor_work = self.world_size, 1.0 / self.world_size, divisor_work
         self.ready = [False] * len(self.params)
+        if self.static is not None:
+            self.static.start_iteration()
         for bucket in self.buckets:
             bucket.pending, bucket.future, bucket.deferred, bucket.in_place = len(bucket.param_indices), None, [], []
         self.next_bucket, self.expect_hooks = 0, True
@@ -246,11 +258,19 @@ class Reducer:
         """
         if not self.expect_hooks:  # no_sync(), or a backward without a wrapped forward: just accumulate
             return
-        if self.ready[index]:
-            raise RuntimeError(f"minidp: parameter {self.names[index]!r} got a gradient twice in one "
-                               "backward; each parameter may be reduced once per iteration")
         if not self.reducing:
             self._start_reducing()
+        if self.static is not None:
+            if not self.static.last_hook(index):
+                return  # static_graph: more hooks of this parameter to come (or the first iteration)
+        elif self.ready[index]:
+            raise RuntimeError(f"minidp: parameter {self.names[index]!r} got a gradient twice in one "
+                               "backward; each parameter may be reduced once per iteration (unless "
+                               "static_graph=True, e.g. for reentrant activation checkpointing)")
+        self._mark_ready(index, param)
+
+    def _mark_ready(self, index: int, param: torch.Tensor) -> None:
+        """Parameter `index`'s gradient is final for this iteration: into its bucket; launch what is complete."""
         self.ready[index] = True
         if self.rebuild_pending:
             self.ready_order.append(index)
@@ -280,6 +300,12 @@ class Reducer:
             # Kept on the device (no .item(), which would wait for the GPU mid-backward).
             self.divisor = self.divisor_work.result()[0].reshape(())
             self.scale = 1.0 / self.divisor.double()
+        if self.static is not None and not self.static.learning:  # static_graph: the unused are ready now
+            for i in self.static.unused:
+                self.ready[i] = True
+                if self.buckets:
+                    self._reduce_as_zeros(i)
+            self._launch_ready_buckets()  # ranks meet here, for buckets of unused parameters only
 
     def _launch_ready_buckets(self) -> None:
         """Launch complete buckets strictly in index order: every rank issues the same sequence."""
@@ -311,17 +337,18 @@ class Reducer:
         self.expect_hooks = False
         if self.timeline is not None:
             self.timeline.record("backward_end")
+        learning = self.static is not None and self.static.learning
+        if learning:  # static_graph's first iteration: every gradient into its bucket now
+            for i, count in enumerate(self.static.counts):
+                if count:
+                    self._mark_ready(i, self.params[i])
         missing = [i for i, r in enumerate(self.ready) if not r]
-        if missing and not self.find_unused_parameters:
+        if missing and not self._counts_use():
             # A failed backward like any other: the next forward closes the iteration (prepare_for_forward).
-            raise RuntimeError(_unused_message([self.names[i] for i in missing]))
-        for i in missing if self.buckets else ():  # find_unused_parameters: this rank contributes zeros
-            bucket = self.bucket_of[i]
-            if bucket.sparse:
-                bucket.buffer = no_sparse_gradient(bucket.buffer)
-            else:
-                bucket.views[self.slot_of[i]].zero_()
-            bucket.pending -= 1
+            raise RuntimeError(self.static.missing_message(missing) if self.static is not None
+                               else _unused_message([self.names[i] for i in missing]))
+        for i in missing if self.buckets else ():  # unused here (find_unused_parameters): zeros from this rank
+            self._reduce_as_zeros(i)
         self._launch_ready_buckets()
         results, failed_ranks, used = self._end_iteration(failed=False, ready=self.ready)
         if failed_ranks:
@@ -330,11 +357,32 @@ class Reducer:
                 f"{failed_ranks}, so every rank discards this iteration's gradients (none were averaged). "
                 "Skip optimizer.step() and call optimizer.zero_grad(), as those ranks do after their own "
                 "error, then go on: the ranks stay equal.")
-        globally_unused = {i for i, count in enumerate(used) if count == 0} if used is not None else set()
+        if learning:
+            self.static.learn(used)
+            self.ready_order = []  # as torch: the buckets are rebuilt after the second iteration
+        elif self.static is not None and self.rebuild_pending:
+            self.ready_order.extend(self.static.unused)  # this rank's unused parameters last, as torch
+        if self.static is not None:
+            globally_unused = self.static.globally_unused  # learned in the first iteration, as torch
+        else:
+            globally_unused = {i for i, count in enumerate(used) if count == 0} if used is not None else set()
         for bucket, result in zip(self.buckets, results):
             write_back(bucket, result, self.params, self.gradient_as_bucket_view, globally_unused)
         if self.timeline is not None:
             self.timeline.record("finalize_end")
+
+    def _reduce_as_zeros(self, i: int) -> None:
+        """Parameter i has no gradient on this rank: it contributes zeros to its bucket."""
+        bucket = self.bucket_of[i]
+        if bucket.sparse:
+            bucket.buffer = no_sparse_gradient(bucket.buffer)
+        else:
+            bucket.views[self.slot_of[i]].zero_()
+        bucket.pending -= 1
+
+    def _counts_use(self) -> bool:
+        """Whether this iteration's status counts, by parameter, the ranks that used it (then unused is allowed)."""
+        return self.static.learning if self.static is not None else self.find_unused_parameters
 
     def _end_iteration(self, failed: bool, ready: list[bool]):
         """Wait for every bucket, exchange the iteration's status (ranks meet here), close the iteration.
@@ -373,10 +421,10 @@ class Reducer:
         return results, failed_ranks, counts[self.world_size:] or None
 
     def _start_status(self, failed: bool, ready: list[bool]):
-        status = torch.zeros(self.world_size + len(self.params) * self.find_unused_parameters,
-                             dtype=torch.int32, device=self.device)
+        counts_use = self._counts_use()
+        status = torch.zeros(self.world_size + len(self.params) * counts_use, dtype=torch.int32, device=self.device)
         status[self.rank] = int(failed)
-        if self.find_unused_parameters:
+        if counts_use:
             status[self.world_size:] = torch.tensor(ready, dtype=torch.int32)
         if self.world_size == 1:
             return status, None  # one rank: the sum is this rank's status itself
