@@ -479,3 +479,45 @@ def test_builtin_comm_hooks_bitwise_as_torch_ddp(world_size):
     for out in run_ranks(_builtin_hook_worker, world_size, timeout=200):
         assert out["ALLREDUCE"] and out["FP16_COMPRESS"], out
         assert out["bad_type"][0] == "TypeError" and "comm_hook_type='ALLREDUCE'" in out["bad_type"][1]
+
+
+# ---- training-loop shapes seen in real scripts ------------------------------------------------------
+
+def _loop(engine, shape):
+    torch.manual_seed(0)
+    model = engine(build("mlp"), bucket_cap_mb=0.001)
+    second = engine(build("mlp"), bucket_cap_mb=0.002) if shape == "two_models" else None
+    params = list(model.parameters()) + (list(second.parameters()) if second else [])
+    opt = torch.optim.SGD(params, lr=0.05)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(5):
+        x = torch.randn(4, 8, generator=gen)
+        if shape == "two_forwards_one_backward":
+            loss = model(x).square().mean() + model(x * 2).square().mean()
+        elif shape == "forward_without_backward":
+            model(x * 3)  # e.g. a logging forward with grad enabled; its graph is dropped
+            loss = model(x).square().mean()
+        elif shape == "two_models":
+            loss = model(x).square().mean() + second(x).square().mean()
+        else:  # "eval_under_no_grad": a validation forward between steps
+            model.eval()
+            with torch.no_grad():
+                model(x)
+            model.train()
+            loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return torch.cat([p.detach().flatten() for p in params])
+
+
+LOOP_SHAPES = ("two_forwards_one_backward", "forward_without_backward", "two_models", "eval_under_no_grad")
+
+
+def _loops_worker():
+    return {shape: torch.equal(_loop(minidp.DDP, shape), _loop(TorchDDP, shape)) for shape in LOOP_SHAPES}
+
+
+def test_training_loop_shapes_bitwise_as_torch_ddp():
+    for out in run_ranks(_loops_worker, 3, timeout=200):  # 3 ranks: the bucket layouts must agree too
+        assert out == dict.fromkeys(LOOP_SHAPES, True), out
