@@ -39,4 +39,4 @@ def test_engine_reading_order_matches_the_package_docstring():
     import minidp.engine
     doc_order = re.findall(r"^  (\w+\.py)", minidp.engine.__doc__, re.M)
     readme_order = re.findall(r"^  (\w+\.py)", _layout_block().split("minidp/data/")[0], re.M)
-    assert doc_order == readme_order and len(doc_order) == 13
+    assert doc_order == readme_order and len(doc_order) == 14

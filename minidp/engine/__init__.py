@@ -4,6 +4,7 @@
                   before each forward, no_sync(), register_comm_hook(), join()
   reducer.py      one hook per parameter, buckets launched in order as they fill, and the
                   end-of-backward finalize that waits and writes the averaged gradients back
+  layout.py       the buckets over training: built, rebuilt once in ready order, re-planned by "auto"
   planning.py     bucket planning (DDP's layout rules) and the automatic cap (bucket_cap_mb="auto")
   buckets.py      the flat buffers and their views: gradients copied in, reduced gradients written back
   hooks.py        GradBucket and the default all-reduce hook (DDP's comm-hook contract)

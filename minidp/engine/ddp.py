@@ -252,7 +252,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
     @property
     def bucket_bytes_cap(self) -> int:
         """The bucket cap in bytes, as DDP's attribute (25 MiB by default; under "auto" the cap in use)."""
-        cap = self.reducer.bucket_cap_mb
+        cap = self.reducer.layout.cap
         return int((25 if cap is None else cap) * 1024 * 1024)
 
     @staticmethod
@@ -325,12 +325,12 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
 
     def bucket_plan(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""
-        return self.reducer.bucket_plan()
+        return self.reducer.layout.by_name()
 
     @property
     def auto_bucket_cap(self):
         """With bucket_cap_mb="auto", the tuner (planning.AutoCap: `.chosen`, `.medians()`); else None."""
-        return self.reducer.tuner
+        return self.reducer.layout.tuner
 
     @property
     def join_device(self) -> torch.device:

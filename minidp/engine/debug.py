@@ -81,8 +81,8 @@ def check_joined(reducer, phase: int) -> None:
     """
     if reducer.debug:
         bucket = 0 if phase == BACKWARD else None
-        check(phase, JOINED, reducer.plan(), reducer.process_group, reducer.device, bucket,
-              reducer.describe_bucket)  # ranks meet here (debug mode only)
+        check(phase, JOINED, reducer.layout.plan, reducer.process_group, reducer.device, bucket,
+              reducer.layout.describe)  # ranks meet here (debug mode only)
 
 
 def find_differing(rows: list[list[int]]) -> tuple[int, list[int]]:

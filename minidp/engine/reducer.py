@@ -18,8 +18,8 @@ error, the timeline), the gradients stay where autograd put them (`reduce_locall
 
 A backward that raises (an error in the model, an out-of-memory caught and retried) skips step 4
 on that rank, possibly after launching some buckets; `prepare_for_forward` keeps the ranks in step.
-The bucket layout is planned in planning.py; the buffers, the copies in and the write-back into
-`.grad` are in buckets.py.
+Which bucket each gradient goes to, and when that changes, is layout.py's (planned by planning.py's
+rules); the buffers, the copies in and the write-back into `.grad` are in buckets.py.
 """
 from __future__ import annotations
 
@@ -30,10 +30,8 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from . import debug as debug_mode
-from . import planning
 from .buckets import (
     Bucket,
-    build_buckets,
     check_sparse_backend,
     copy_deferred,
     copy_in,
@@ -41,8 +39,8 @@ from .buckets import (
     sparse_gradient_flags,
     write_back,
 )
-from .collectives import global_rank
 from .hooks import GradBucket, allreduce_sum_hook, bucket_result, call_comm_hook, hook_name
+from .layout import BucketLayout
 from .static_graph import StaticGraph
 
 SMALL_GRAD_NUMEL = 65536  # gradients below this are copied into the bucket in one batch
@@ -56,7 +54,7 @@ class Reducer:
         names: their names, for error messages.
         The rest as the wrapper's keywords (keyword-only):
         process_group: the group to average over. Default None: the world.
-        bucket_cap_mb: DDP's bucket_cap_mb, or "auto" (planning.AutoCap). Default None: 25 MiB, first 1 MiB.
+        bucket_cap_mb: DDP's bucket_cap_mb, or "auto" (layout.py). Default None: 25 MiB, first 1 MiB.
         find_unused_parameters: reduce parameters that got no gradient as zeros. Default False.
         gradient_as_bucket_view: make each `.grad` a view into its bucket (no copy back). Default False.
         static_graph: as DDP's: the same parameters are used, as often, every iteration (static_graph.py).
@@ -96,14 +94,12 @@ class Reducer:
         self.reducing, self.ready, self.next_bucket = False, [False] * len(self.params), 0
         # Small gradients cost a Python-issued op each: they are copied in one batch at launch.
         self.small = [p.numel() < SMALL_GRAD_NUMEL for p in self.params]
-        # torch's condition: rebuild the buckets once, in gradient-ready order, after the first iteration.
-        self.needs_rebuild = static_graph or not find_unused_parameters
-        self.rebuild_pending, self.ready_order = self.needs_rebuild, []  # ready_order: for the rebuild
-        # bucket_cap_mb="auto": the tuner picks the cap in the first iterations (planning.AutoCap).
-        self.tuner = planning.AutoCap() if bucket_cap_mb == "auto" else None
-        self.bucket_cap_mb = self.tuner.cap if self.tuner else bucket_cap_mb  # the cap in use
-        limits = planning.bucket_limits(self.bucket_cap_mb, first_iteration=True, needs_rebuild=self.needs_rebuild)
-        self._build(planning.plan_initial(*self._sizes_and_keys(), limits, self.sparse))
+        # The buckets (layout.py): torch's initial plan; rebuilt once, in gradient-ready order, after the
+        # first iteration when torch's `needs_rebuild`; re-planned in the first iterations with "auto".
+        self.layout = BucketLayout(self.params, self.names, self.sparse, bucket_cap_mb=bucket_cap_mb,
+                                   needs_rebuild=static_graph or not find_unused_parameters,
+                                   process_group=process_group, allocate=not self.reduce_locally,
+                                   gradient_as_bucket_view=gradient_as_bucket_view)
         for i, p in enumerate(self.params):
             # The bound method itself, with its index: one Python frame per gradient.
             p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
@@ -121,14 +117,15 @@ class Reducer:
         self.comm_hook, self.comm_state = hook, state
         if self.reduce_locally:  # world size 1: now there are buckets, and the hook sees every one (DDP)
             self.reduce_locally = False
-            self._build(self.layout)
+            self.layout.allocate_buffers()
 
     def set_static_graph(self) -> None:
         """static_graph=True after construction (torch DDP's _set_static_graph), before the first iteration."""
         if self.iteration > 0:
             raise RuntimeError("set_static_graph() should be called before training loop starts and after "
                                "DistributedDataParallel is constructed.")  # torch's words
-        self.static, self.needs_rebuild, self.rebuild_pending = StaticGraph(self.names), True, True
+        self.static = StaticGraph(self.names)
+        self.layout.needs_rebuild = self.layout.rebuild_pending = True  # torch's needs_rebuild, now true
 
     def check_consistency(self, phase: int) -> None:
         """Debug mode: every rank checks that all are in the same iteration with the same buckets.
@@ -141,71 +138,17 @@ class Reducer:
             return  # one rank agrees with itself
         # Before a forward, the iteration it starts; before the first bucket, the one under way.
         iteration, bucket = (self.iteration, 0) if phase == debug_mode.BACKWARD else (self.iteration + 1, None)
-        debug_mode.check(phase, iteration, self.layout, self.process_group, self.device, bucket,
-                         self.describe_bucket)  # ranks meet here (debug mode only)
+        debug_mode.check(phase, iteration, self.layout.plan, self.process_group, self.device, bucket,
+                         self.layout.describe)  # ranks meet here (debug mode only)
 
-    # ---- bucket layout -------------------------------------------------------------------------
-
-    def _sizes_and_keys(self):
-        return [p.numel() * p.element_size() for p in self.params], [(p.dtype, p.device) for p in self.params]
-
-    def _build(self, plan: list[list[int]]) -> None:
-        """Adopt a layout: its buffers, unless the gradients are reduced locally (then the plan alone)."""
-        self.layout = [list(indices) for indices in plan]  # parameter indices per bucket, in launch order
-        self.bucket_index_of = [0] * len(self.params)  # for the timeline's "grad_ready"
-        for b, indices in enumerate(self.layout):
-            for i in indices:
-                self.bucket_index_of[i] = b
-        self.buckets = [] if self.reduce_locally else build_buckets(plan, self.params, self.sparse)
-        self.bucket_of, self.slot_of = [None] * len(self.params), [0] * len(self.params)
-        for bucket in self.buckets:
-            for slot, i in enumerate(bucket.param_indices):
-                self.bucket_of[i], self.slot_of[i] = bucket, slot
-                grad = self.params[i].grad
-                if self.gradient_as_bucket_view and grad is not None and not bucket.sparse:
-                    bucket.views[slot].copy_(grad)  # adopt the existing gradient, as DDP does
-                    self.params[i].grad = bucket.views[slot]
-
-    def bucket_plan(self) -> list[list[str]]:
-        """The current layout by parameter name, in launch order (for reading and tests)."""
-        return [[self.names[i] for i in indices] for indices in self.layout]
+    @property
+    def buckets(self) -> list:
+        """The current buckets, in launch order (empty when gradients are reduced locally)."""
+        return self.layout.buckets
 
     def maybe_rebuild(self) -> bool:
-        """Before a forward: re-plan after the first synced iteration (once), and step the cap tuner."""
-        rebuilt = self.rebuild_pending and bool(self.ready_order)
-        if rebuilt:
-            if len(self.ready_order) != len(self.params):
-                raise RuntimeError(f"minidp: cannot rebuild buckets: {len(self.ready_order)} of "
-                                   f"{len(self.params)} gradients were recorded in the first iteration")
-            order = torch.tensor(self.ready_order, dtype=torch.int64, device=self.device)
-            if self.world_size > 1:  # ranks meet here: all ranks adopt rank 0's order, so their layouts agree
-                dist.broadcast(order, src=global_rank(self.process_group, 0), group=self.process_group)
-            self.rebuilt_order, self.rebuild_pending, self.ready_order = order.tolist(), False, []
-            self._build(self.plan_for(self.bucket_cap_mb))
-        if self.tuner is not None and not self.rebuild_pending:
-            self._tune()
-        return rebuilt
-
-    def plan_for(self, bucket_cap_mb) -> list[list[int]]:
-        """The layout torch DDP would use with `bucket_cap_mb` from now on (after its first iteration)."""
-        sizes, keys = self._sizes_and_keys()
-        if self.needs_rebuild:
-            limits = planning.bucket_limits(bucket_cap_mb, first_iteration=False, needs_rebuild=True)
-            return planning.plan_rebuilt(sizes, keys, limits, self.rebuilt_order, self.sparse)
-        limits = planning.bucket_limits(bucket_cap_mb, first_iteration=True, needs_rebuild=False)
-        return planning.plan_initial(sizes, keys, limits, self.sparse)
-
-    def _tune(self) -> None:
-        """bucket_cap_mb="auto": time the candidate caps in turn, then adopt rank 0's fastest (planning.AutoCap)."""
-        cap = self.tuner.step(self.completed, self.plan_for)
-        if cap is None:  # every candidate timed
-            best = torch.tensor([self.tuner.fastest()], dtype=torch.int64, device=self.device)
-            if self.world_size > 1:  # ranks meet here: every rank adopts rank 0's choice
-                dist.broadcast(best, src=global_rank(self.process_group, 0), group=self.process_group)
-            cap = self.tuner.chosen = self.tuner.candidates[int(best.item())]
-        if cap != self.bucket_cap_mb:
-            self.bucket_cap_mb = cap
-            self._build(self.plan_for(cap))
+        """Before a forward: rebuild the buckets after the first synced iteration, step the cap tuner."""
+        return self.layout.maybe_replan(self.completed)  # ranks meet here when it re-plans
 
     # ---- one iteration ------------------------------------------------------------------------
 
@@ -224,7 +167,7 @@ class Reducer:
         if not self.reducing:
             return
         self.expect_hooks = False
-        for bucket in self.buckets[self.next_bucket:]:
+        for bucket in self.layout.buckets[self.next_bucket:]:
             if bucket.sparse:
                 bucket.buffer = no_sparse_gradient(bucket.buffer)
             else:
@@ -247,7 +190,7 @@ class Reducer:
         self.ready = [False] * len(self.params)
         if self.static is not None:
             self.static.start_iteration()
-        for bucket in self.buckets:
+        for bucket in self.layout.buckets:
             bucket.pending, bucket.future, bucket.deferred, bucket.in_place = len(bucket.param_indices), None, [], []
         self.next_bucket, self.expect_hooks = 0, True
 
@@ -272,19 +215,20 @@ class Reducer:
     def _mark_ready(self, index: int, param: torch.Tensor) -> None:
         """Parameter `index`'s gradient is final for this iteration: into its bucket; launch what is complete."""
         self.ready[index] = True
-        if self.rebuild_pending:
-            self.ready_order.append(index)
+        layout = self.layout
+        if layout.rebuild_pending:
+            layout.ready_order.append(index)
         if self.timeline is not None:
-            self.timeline.record("grad_ready", param=self.names[index], bucket=self.bucket_index_of[index])
+            self.timeline.record("grad_ready", param=self.names[index], bucket=layout.bucket_index_of[index])
         if self.reduce_locally:
             return  # world size 1: the average of one gradient is itself, where autograd put it
-        bucket, grad = self.bucket_of[index], param.grad
+        bucket, slot, grad = layout.bucket_of[index], layout.slot_of[index], param.grad
         if grad.is_sparse != bucket.sparse:
             raise RuntimeError(_sparse_mismatch(self.names[index], grad.is_sparse))
         if self.small[index] and not bucket.sparse and not self.gradient_as_bucket_view:
-            bucket.deferred.append((self.slot_of[index], grad, param))  # copied at launch (copy_deferred)
+            bucket.deferred.append((slot, grad, param))  # copied at launch (copy_deferred)
         else:
-            copy_in(bucket, self.slot_of[index], param, grad, average=self.comm_hook is None, divisor=self.divisor,
+            copy_in(bucket, slot, param, grad, average=self.comm_hook is None, divisor=self.divisor,
                     scale=self.scale, small=self.small[index], as_bucket_view=self.gradient_as_bucket_view)
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -303,14 +247,14 @@ class Reducer:
         if self.static is not None and not self.static.learning:  # static_graph: the unused are ready now
             for i in self.static.unused:
                 self.ready[i] = True
-                if self.buckets:
+                if self.layout.buckets:
                     self._reduce_as_zeros(i)
             self._launch_ready_buckets()  # ranks meet here, for buckets of unused parameters only
 
     def _launch_ready_buckets(self) -> None:
         """Launch complete buckets strictly in index order: every rank issues the same sequence."""
-        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
-            bucket = self.buckets[self.next_bucket]
+        while self.next_bucket < len(self.layout.buckets) and self.layout.buckets[self.next_bucket].pending == 0:
+            bucket = self.layout.buckets[self.next_bucket]
             copy_deferred(bucket, average=self.comm_hook is None, divisor=self.divisor, scale=self.scale,
                           as_bucket_view=self.gradient_as_bucket_view)
             if bucket.index == 0:
@@ -325,7 +269,7 @@ class Reducer:
     def _reduce(self, bucket: Bucket, buffer: torch.Tensor) -> torch.futures.Future:
         """Start reducing `buffer` as `bucket` through the comm hook; the one place a GradBucket is made."""
         grad_bucket = GradBucket(bucket.index, buffer, [self.params[i] for i in bucket.param_indices],
-                                 bucket.offsets, is_last=bucket.index == len(self.buckets) - 1)
+                                 bucket.offsets, is_last=bucket.index == len(self.layout.buckets) - 1)
         if self.comm_hook is None and self.transport is not None:
             return self.transport.all_reduce(buffer)  # ranks meet here (async), on the transport's wires
         if self.comm_hook is None:
@@ -347,7 +291,7 @@ class Reducer:
             # A failed backward like any other: the next forward closes the iteration (prepare_for_forward).
             raise RuntimeError(self.static.missing_message(missing) if self.static is not None
                                else _unused_message([self.names[i] for i in missing]))
-        for i in missing if self.buckets else ():  # unused here (find_unused_parameters): zeros from this rank
+        for i in missing if self.layout.buckets else ():  # unused here (find_unused_parameters): zeros from this rank
             self._reduce_as_zeros(i)
         self._launch_ready_buckets()
         results, failed_ranks, used = self._end_iteration(failed=False, ready=self.ready)
@@ -359,25 +303,25 @@ class Reducer:
                 "error, then go on: the ranks stay equal.")
         if learning:
             self.static.learn(used)
-            self.ready_order = []  # as torch: the buckets are rebuilt after the second iteration
-        elif self.static is not None and self.rebuild_pending:
-            self.ready_order.extend(self.static.unused)  # this rank's unused parameters last, as torch
+            self.layout.ready_order = []  # as torch: the buckets are rebuilt after the second iteration
+        elif self.static is not None and self.layout.rebuild_pending:
+            self.layout.ready_order.extend(self.static.unused)  # this rank's unused parameters last, as torch
         if self.static is not None:
             globally_unused = self.static.globally_unused  # learned in the first iteration, as torch
         else:
             globally_unused = {i for i, count in enumerate(used) if count == 0} if used is not None else set()
-        for bucket, result in zip(self.buckets, results):
+        for bucket, result in zip(self.layout.buckets, results):
             write_back(bucket, result, self.params, self.gradient_as_bucket_view, globally_unused)
         if self.timeline is not None:
             self.timeline.record("finalize_end")
 
     def _reduce_as_zeros(self, i: int) -> None:
         """Parameter i has no gradient on this rank: it contributes zeros to its bucket."""
-        bucket = self.bucket_of[i]
+        bucket = self.layout.bucket_of[i]
         if bucket.sparse:
             bucket.buffer = no_sparse_gradient(bucket.buffer)
         else:
-            bucket.views[self.slot_of[i]].zero_()
+            bucket.views[self.layout.slot_of[i]].zero_()
         bucket.pending -= 1
 
     def _counts_use(self) -> bool:
@@ -397,7 +341,7 @@ class Reducer:
             (reduced buffers by bucket, failed group ranks, per-parameter use counts or None)
         """
         status = self._start_status(failed, ready) if self.comm_hook is None else None
-        results = [self._wait(bucket) for bucket in self.buckets]
+        results = [self._wait(bucket) for bucket in self.layout.buckets]
         status, work = status or self._start_status(failed, ready)
         try:
             if work is not None:
@@ -413,11 +357,11 @@ class Reducer:
         failed_ranks = [r for r in range(self.world_size) if counts[r]]
         self.reducing = False
         self.completed += not failed_ranks  # the same count on every rank: the tuner steps by it
-        for bucket in self.buckets:
+        for bucket in self.layout.buckets:
             bucket.future, bucket.deferred, bucket.in_place = None, [], []
-        if failed_ranks and self.rebuild_pending:
+        if failed_ranks and self.layout.rebuild_pending:
             # Every rank drops the failed iteration's ready order, so all rebuild after the same iteration.
-            self.ready_order = []
+            self.layout.ready_order = []
         return results, failed_ranks, counts[self.world_size:] or None
 
     def _start_status(self, failed: bool, ready: list[bool]):
@@ -437,29 +381,21 @@ class Reducer:
         except RuntimeError as exc:
             raise RuntimeError(
                 f"minidp.DDP on rank {self.rank}: iteration {self.iteration}: the all-reduce of bucket "
-                f"{bucket.index} [{self.describe_bucket(bucket.index)}] failed; likely "
+                f"{bucket.index} [{self.layout.describe(bucket.index)}] failed; likely "
                 f"{debug_mode.LIKELY_CAUSES} (MINIDP_DEBUG=1 checks every step). Cause: {exc}") from exc
         if self.comm_hook is None or bucket.sparse:
             return value[0] if isinstance(value, list) else value  # a collective's future holds [tensor]
         return bucket_result(value, bucket.buffer, self.comm_hook)
 
-    def plan(self) -> list[list[int]]:
-        return self.layout
-
-    def describe_bucket(self, index: int) -> str:
-        names = [self.names[i] for i in self.layout[index]]
-        shown = names if len(names) <= 4 else names[:2] + ["..."] + names[-1:]
-        return f"{len(names)} parameter(s): {', '.join(shown)}"
-
     def shadow_backward(self) -> None:
         """For a rank that has joined (no more data): match one backward's collectives with zeros."""
         debug_mode.check_joined(self, debug_mode.BACKWARD)  # ranks meet here (debug mode only), as bucket 0 does
-        for bucket in self.buckets:  # ranks meet here: the same buckets, in the same order, as training ranks
+        for bucket in self.layout.buckets:  # ranks meet here: the same buckets, in the same order, as training ranks
             zeros = no_sparse_gradient(bucket.buffer) if bucket.sparse else torch.zeros_like(bucket.buffer)
             bucket.future = self._reduce(bucket, zeros)
         _, failed_ranks, _ = self._end_iteration(failed=False, ready=[False] * len(self.params))
-        if self.rebuild_pending and not failed_ranks and not self.ready_order:
-            self.ready_order = list(range(len(self.params)))  # as DDP: a joined rank votes for the default
+        if self.layout.rebuild_pending and not failed_ranks and not self.layout.ready_order:
+            self.layout.ready_order = list(range(len(self.params)))  # as DDP: a joined rank votes for the default
 
 
 def _sparse_mismatch(name: str, got_sparse: bool) -> str:
