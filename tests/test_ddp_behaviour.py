@@ -18,6 +18,7 @@ LAYOUT_CASES = {
     "mlp_small_cap": (lambda: build("mlp"), {"bucket_cap_mb": 0.002}),
     "mixed_dtypes_find_unused": (lambda: build("mixed"), {"bucket_cap_mb": 0.001, "find_unused_parameters": True}),
     "tied": (lambda: build("tied"), {"bucket_cap_mb": 0.0001}),
+    "cap_zero_one_bucket_per_tensor": (lambda: build("mlp"), {"bucket_cap_mb": 0}),  # torch accepts 0
 }
 
 
@@ -30,6 +31,7 @@ EXPECTED_BUCKET_COUNTS = {
     "mlp_small_cap": [1, 2, 2],
     "mixed_dtypes_find_unused": [2, 2, 2],
     "tied": [1, 2, 2],
+    "cap_zero_one_bucket_per_tensor": [1, 6, 6],
 }
 
 
@@ -78,7 +80,6 @@ def _error_worker():
     errors = {
         "mismatch": error_of(lambda: minidp.DDP(MLP(width=32 if rank == 0 else 31))),
         "unused": error_of(_unused_without_flag),
-        "bucket_cap_zero": error_of(lambda: minidp.DDP(build("mlp"), bucket_cap_mb=0)),
         "bucket_cap_negative": error_of(lambda: minidp.DDP(build("mlp"), bucket_cap_mb=-5)),
         "no_trainable": error_of(lambda: minidp.DDP(build("mlp").requires_grad_(False))),
         "device_ids_on_cpu": error_of(lambda: minidp.DDP(build("mlp"), device_ids=[0])),
@@ -159,7 +160,6 @@ def test_overlap_first_bucket_launched_before_last_gradient(two_ranks):
 @pytest.mark.parametrize("case, error, words", [
     ("mismatch", "RuntimeError", ["ranks [1] differ from rank 0", "net.0.weight", "(31, 8)", "(32, 8)"]),
     ("unused", "RuntimeError", ["rare.weight", "never.bias", "find_unused_parameters=True"]),
-    ("bucket_cap_zero", "ValueError", ["bucket_cap_mb=0"]),
     ("bucket_cap_negative", "ValueError", ["bucket_cap_mb=-5"]),
     ("no_trainable", "RuntimeError", ["no parameter that requires a gradient"]),
     ("device_ids_on_cpu", "ValueError", ["device_ids=[0]"]),

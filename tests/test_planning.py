@@ -61,10 +61,14 @@ def test_groups_never_share_a_bucket():
     assert plan == [[1, 3], [0, 2]]
 
 
-@pytest.mark.parametrize("bad", [[], [0], [100, -1]])
+@pytest.mark.parametrize("bad", [[], [-1], [100, -1]])
 def test_bad_limits(bad):
     with pytest.raises(ValueError, match="limits="):
         assign_buckets([4], ["a"], bad)
+
+
+def test_zero_limit_gives_each_tensor_its_own_bucket():  # bucket_cap_mb=0, as torch DDP does
+    assert assign_buckets([4, 0, 8], ["a", "a", "a"], [0]) == [[0], [1], [2]]
 
 
 def test_rebuilt_order_must_be_a_permutation():

@@ -38,9 +38,9 @@ def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupport
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group={process_group!r} must be a torch.distributed.ProcessGroup or None")
     if isinstance(bucket_cap_mb, str) and bucket_cap_mb != "auto":
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number of MiB > 0, None or \"auto\"")
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number of MiB >= 0, None or \"auto\"")
     if bucket_cap_mb is not None and bucket_cap_mb != "auto":  # MiB; None: DDP's default (25, first bucket 1)
-        check_number("bucket_cap_mb", bucket_cap_mb, positive=True)
+        check_number("bucket_cap_mb", bucket_cap_mb, low=0)  # 0: one bucket per tensor, as in torch DDP
         if not math.isfinite(bucket_cap_mb):
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be finite (a number of MiB)")
     for name, value in unsupported.items():

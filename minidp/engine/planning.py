@@ -68,8 +68,8 @@ def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], limits: Seque
     Returns:
         A list of buckets, each a list of tensor indices in the order walked.
     """
-    if not limits or any(limit <= 0 for limit in limits):
-        raise ValueError(f"limits={list(limits)} must be a non-empty list of positive byte sizes")
+    if not limits or any(limit < 0 for limit in limits):  # 0: every tensor closes its bucket
+        raise ValueError(f"limits={list(limits)} must be a non-empty list of byte sizes >= 0")
     walk = range(len(sizes)) if order is None else order
     open_buckets: OrderedDict = OrderedDict()  # key -> [indices, bytes]; first-seen key first
     limit_pos: dict = {}
