@@ -84,6 +84,10 @@ def _error_worker():
         "no_trainable": error_of(lambda: minidp.DDP(build("mlp").requires_grad_(False))),
         "device_ids_on_cpu": error_of(lambda: minidp.DDP(build("mlp"), device_ids=[0])),
         "not_a_module": error_of(lambda: minidp.DDP(lambda x: x)),
+        "torch_syncbn_on_cpu": error_of(lambda: minidp.DDP(torch.nn.SyncBatchNorm.convert_sync_batchnorm(
+            build("cnn_bn")))),
+        "torch_syncbn_on_cpu_torch": error_of(lambda: TorchDDP(torch.nn.SyncBatchNorm.convert_sync_batchnorm(
+            build("cnn_bn")))),
         "unsupported_kwarg": error_of(lambda: minidp.DDP(build("mlp"), mixed_precision="bf16")),
     }
     # After all those errors the group still works: a clean model trains (nothing left half-done).
@@ -164,6 +168,8 @@ def test_overlap_first_bucket_launched_before_last_gradient(two_ranks):
     ("no_trainable", "RuntimeError", ["no parameter that requires a gradient"]),
     ("device_ids_on_cpu", "ValueError", ["device_ids=[0]"]),
     ("not_a_module", "TypeError", ["module=function"]),
+    ("torch_syncbn_on_cpu", "ValueError", ["SyncBatchNorm layers only work with GPU modules", "minidp.syncbn"]),
+    ("torch_syncbn_on_cpu_torch", "ValueError", ["SyncBatchNorm layers only work with GPU modules"]),  # the same
     ("unsupported_kwarg", "ValueError", ["mixed_precision='bf16'"]),
 ])
 def test_errors_on_every_rank(two_ranks, case, error, words):

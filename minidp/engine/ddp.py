@@ -18,7 +18,7 @@ from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 from . import debug as debug_mode
 from .arguments import check_arguments, check_transport, group_of_mesh
 from .collectives import broadcast_coalesced, check_same_across_ranks
-from .devices import check_devices, move_inputs
+from .devices import check_devices, check_sync_batchnorm, move_inputs
 from .graph_split import ModuleRunner, forward_outside_dynamo
 from .hooks import check_comm_hook
 from .join import JoinableDDP, broadcast_from_last_trainer, vote_to_sync
@@ -103,6 +103,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self.batched_grad_copy = batched_grad_copy  # accepted: small gradients are copied in batches anyway
         self.device = all_named[0][1].device if all_named else None  # as DDP's: the module's device
         self.device_type = self.device.type if self.device is not None else None
+        check_sync_batchnorm(module, self.device)
         self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
         self.gradient_as_bucket_view, self.bucket_cap_mb = gradient_as_bucket_view, bucket_cap_mb
         self._comm_hook = None  # (state, hook) once registered: kept when pickled, re-registered on load

@@ -67,3 +67,12 @@ def move_inputs(obj, device: torch.device):
     if hasattr(obj, "_fields") and hasattr(obj, "_asdict"):  # a namedtuple
         return type(obj)(*moved)
     return tuple(moved) if isinstance(obj, tuple) else moved  # DDP rebuilds plain tuples and lists
+
+
+def check_sync_batchnorm(module: torch.nn.Module, device: torch.device | None) -> None:
+    """torch.nn.SyncBatchNorm runs on GPUs only: refused on a CPU module at construction, as torch DDP does."""
+    if device is not None and device.type == "cpu" and any(
+            isinstance(layer, torch.nn.SyncBatchNorm) for layer in module.modules()):
+        raise ValueError("SyncBatchNorm layers only work with GPU modules (torch.nn.SyncBatchNorm, as in "
+                         "torch DDP); on the CPU, convert with minidp.syncbn.convert_sync_batchnorm(model), "
+                         "which runs on gloo")
