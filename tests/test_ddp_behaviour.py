@@ -84,6 +84,7 @@ def _error_worker():
         "no_trainable": error_of(lambda: minidp.DDP(build("mlp").requires_grad_(False))),
         "device_ids_on_cpu": error_of(lambda: minidp.DDP(build("mlp"), device_ids=[0])),
         "not_a_module": error_of(lambda: minidp.DDP(lambda x: x)),
+        "lazy_module": error_of(lambda: minidp.DDP(torch.nn.Sequential(torch.nn.LazyLinear(3)))),
         "torch_syncbn_on_cpu": error_of(lambda: minidp.DDP(torch.nn.SyncBatchNorm.convert_sync_batchnorm(
             build("cnn_bn")))),
         "torch_syncbn_on_cpu_torch": error_of(lambda: TorchDDP(torch.nn.SyncBatchNorm.convert_sync_batchnorm(
@@ -168,6 +169,7 @@ def test_overlap_first_bucket_launched_before_last_gradient(two_ranks):
     ("no_trainable", "RuntimeError", ["no parameter that requires a gradient"]),
     ("device_ids_on_cpu", "ValueError", ["device_ids=[0]"]),
     ("not_a_module", "TypeError", ["module=function"]),
+    ("lazy_module", "RuntimeError", ["uninitialized parameters", "dummy forward pass"]),  # torch DDP's words
     ("torch_syncbn_on_cpu", "ValueError", ["SyncBatchNorm layers only work with GPU modules", "minidp.syncbn"]),
     ("torch_syncbn_on_cpu_torch", "ValueError", ["SyncBatchNorm layers only work with GPU modules"]),  # the same
     ("unsupported_kwarg", "ValueError", ["mixed_precision='bf16'"]),

@@ -10,6 +10,7 @@ import math
 
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ..validate import check_bool, check_number
 
@@ -32,6 +33,9 @@ def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupport
     """The constructor's checks that need no process group (they raise before any collective)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module={type(module).__name__} must be a torch.nn.Module")
+    if any(is_lazy(p) for p in module.parameters()):  # nn.LazyLinear & co. before their first forward
+        raise RuntimeError("Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
+                           "Run a dummy forward pass to correctly initialize the modules")  # torch DDP's words
     for name, flag in flags.items():
         if not (name in ("debug", "forward_sync_buffers") and flag is None):  # None: MINIDP_DEBUG / torch's rule
             check_bool(name, flag)
