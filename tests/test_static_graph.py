@@ -93,7 +93,14 @@ def _worker():
         ours, theirs = _train(minidp.DDP, case), _train(TorchDDP, case)
         out[name] = (torch.equal(ours[0], theirs[0]), ours[1] == theirs[1], ours[1])
     out["changed"] = {label: error_of(lambda e=engine: _changing_graph(e)) for label, engine in ENGINES.items()}
+    out["set_too_late"] = {label: error_of(lambda e=engine: _set_after_a_step(e)) for label, engine in ENGINES.items()}
     return out
+
+
+def _set_after_a_step(engine):
+    model = engine(nn.Linear(2, 2))
+    model(torch.randn(1, 2)).sum().backward()
+    model._set_static_graph()  # after the training loop started: refused
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -106,3 +113,5 @@ def test_static_graph_bitwise_as_torch_ddp(world_size):
         changed = out["changed"]
         assert changed["torch"] is not None and changed["torch"][0] == "RuntimeError", changed
         assert changed["minidp"][0] == "RuntimeError" and "graph changed" in changed["minidp"][1], changed
+        late = out["set_too_late"]
+        assert late["minidp"] == late["torch"] and late["torch"][0] == "RuntimeError", late
