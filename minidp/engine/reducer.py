@@ -101,7 +101,7 @@ class Reducer:
                                    process_group=process_group, allocate=not self.reduce_locally,
                                    gradient_as_bucket_view=gradient_as_bucket_view)
         for i, p in enumerate(self.params):
-            # The bound method itself, with its index: one Python frame per gradient.
+            # The bound method itself, with its index: no wrapper frame per gradient.
             p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
 
     sparse_gradient_flags = staticmethod(sparse_gradient_flags)  # for the wrapper's call
@@ -197,7 +197,8 @@ class Reducer:
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
         """Parameter `index`'s post-accumulate-grad hook: count its bucket down, launch what is complete.
 
-        The hot path (once per gradient per step): one Python frame, small gradients only queued.
+        The hot path (once per gradient per step): two Python frames (this and _mark_ready), small
+        gradients only queued.
         """
         if not self.expect_hooks:  # no_sync(), or a backward without a wrapped forward: just accumulate
             return
