@@ -398,7 +398,14 @@ def _surface(engine, ignore=(), mesh=False, **kwargs):
     seen = {"bucket_bytes_cap": model.bucket_bytes_cap, "device": model.device, "device_type": model.device_type,
             "parameters_to_ignore": set(model.parameters_to_ignore), "sync": model.will_sync_module_buffers(),
             "group_is_world": model.process_group is dist.group.WORLD,
-            "group_ranks": dist.get_process_group_ranks(model.process_group), **_helpers(model)}
+            "group_ranks": dist.get_process_group_ranks(model.process_group), **_helpers(model),
+            "mixed_precision": model.mixed_precision, "is_multi_device_module": model.is_multi_device_module,
+            "skip_all_reduce_unused_params": model.skip_all_reduce_unused_params,
+            "bucket_bytes_cap_default": model.bucket_bytes_cap_default,
+            "named_module_buffers": list(model.named_module_buffers),
+            "modules_buffers": [b is dict(module.named_buffers())[n] for n, b in model.named_module_buffers.items()],
+            "modules_buffers_list": [id(b) for b in model.modules_buffers] == [id(b) for b in
+                                                                                model.named_module_buffers.values()]}
     gen = _sgd_steps(model, 2, seed=10, shape=(5, 6))
     with model.no_sync():
         model(torch.randn(5, 6, generator=gen))

@@ -85,7 +85,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         # Walked once: on a model of hundreds of tensors each walk of the module tree costs ~1 ms.
         all_named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
-        buffers = [b for n, b in module.named_buffers() if n not in self.parameters_to_ignore]
+        named_buffers = {n: b for n, b in module.named_buffers() if n not in self.parameters_to_ignore}
+        buffers = list(named_buffers.values())
         self.input_device = check_devices([p for _, p in all_named], device_ids)  # inputs go there (None: stay)
         self.device_ids = None if self.input_device is None else [self.input_device.index]  # as DDP's
         if not dist.is_initialized():
@@ -113,6 +114,11 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self.debug = debug_mode.debug_from_env() if debug is None else debug
         self.has_buffers = bool(buffers)  # else skip the walk on every forward
         self._ignored_buffers = len(buffers) != sum(1 for _ in module.buffers())  # then sync_buffers filters
+        # torch DDP's other public attributes, with its values, for scripts that read them.
+        self.named_module_buffers, self.modules_buffers = named_buffers, buffers
+        self.mixed_precision, self.is_multi_device_module, self.skip_all_reduce_unused_params = None, False, False
+        self.bucket_bytes_cap_default = bucket_cap_mb is None
+        self.use_side_stream_for_tensor_copies = False  # inputs are copied on the current stream (move_inputs)
         self.transport = check_transport(transport, module, self.process_group)
         named = [(n, p) for n, p in all_named if p.requires_grad]
         self._verify_across_ranks(named, bucket_cap_mb)
