@@ -490,27 +490,57 @@ def test_builtin_comm_hooks_bitwise_as_torch_ddp(world_size):
 
 # ---- training-loop shapes seen in real scripts ------------------------------------------------------
 
+class _KeywordsOnly(nn.Module):
+    """forward(*, x, scale) returning a tuple with a None and a string in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, *, x, scale=1.0):
+        return self.b(torch.relu(self.a(x))) * scale, None, "tag"
+
+
 def _loop(engine, shape):
     torch.manual_seed(0)
-    model = engine(build("mlp"), bucket_cap_mb=0.001)
+    model = engine(_KeywordsOnly() if shape == "keyword_inputs_tuple_output" else build("mlp"), bucket_cap_mb=0.001)
     second = engine(build("mlp"), bucket_cap_mb=0.002) if shape == "two_models" else None
+    if shape == "comm_hook_and_no_sync":
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
     params = list(model.parameters()) + (list(second.parameters()) if second else [])
     opt = torch.optim.SGD(params, lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")  # enabled: scales the loss, unscales before the step
     gen = torch.Generator().manual_seed(dist.get_rank())
-    for _ in range(5):
+    for step in range(6):
         x = torch.randn(4, 8, generator=gen)
-        if shape == "two_forwards_one_backward":
+        if shape == "bf16_autocast_grad_scaler":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            continue
+        if shape == "comm_hook_and_no_sync" and step % 2 == 0:
+            with model.no_sync():  # accumulate locally every other step
+                model(x).square().mean().backward()
+            continue
+        if shape == "keyword_inputs_tuple_output":
+            loss = model(x=x, scale=2.0)[0].square().mean()
+        elif shape == "two_forwards_one_backward":
             loss = model(x).square().mean() + model(x * 2).square().mean()
         elif shape == "forward_without_backward":
             model(x * 3)  # e.g. a logging forward with grad enabled; its graph is dropped
             loss = model(x).square().mean()
         elif shape == "two_models":
             loss = model(x).square().mean() + second(x).square().mean()
-        else:  # "eval_under_no_grad": a validation forward between steps
+        elif shape == "eval_under_no_grad":  # a validation forward between steps
             model.eval()
             with torch.no_grad():
                 model(x)
             model.train()
+            loss = model(x).square().mean()
+        else:  # "comm_hook_and_no_sync", a synced step
             loss = model(x).square().mean()
         loss.backward()
         opt.step()
@@ -518,7 +548,8 @@ def _loop(engine, shape):
     return torch.cat([p.detach().flatten() for p in params])
 
 
-LOOP_SHAPES = ("two_forwards_one_backward", "forward_without_backward", "two_models", "eval_under_no_grad")
+LOOP_SHAPES = ("two_forwards_one_backward", "forward_without_backward", "two_models", "eval_under_no_grad",
+               "bf16_autocast_grad_scaler", "comm_hook_and_no_sync", "keyword_inputs_tuple_output")
 
 
 def _loops_worker():
