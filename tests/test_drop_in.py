@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.join import Join
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.overrides import TorchFunctionMode
 
@@ -559,3 +561,27 @@ def _loops_worker():
 def test_training_loop_shapes_bitwise_as_torch_ddp():
     for out in run_ranks(_loops_worker, 3, timeout=200):  # 3 ranks: the bucket layouts must agree too
         assert out == dict.fromkeys(LOOP_SHAPES, True), out
+
+
+# ---- with torch's ZeroRedundancyOptimizer, joined together ------------------------------------------
+
+def _zero_train(engine, uneven: bool):
+    torch.manual_seed(0)
+    net = build("mlp")
+    model = engine(net, bucket_cap_mb=0.001)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    with Join([model, opt]):  # both joinables: the wrapper's join hook and ZeRO's
+        for _ in range(5 + (2 * dist.get_rank() if uneven else 0)):
+            model(torch.randn(4, 8, generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return torch.cat([p.detach().flatten() for p in net.parameters()])
+
+
+def _zero_worker():
+    return [torch.equal(_zero_train(minidp.DDP, uneven), _zero_train(TorchDDP, uneven)) for uneven in (False, True)]
+
+
+def test_zero_redundancy_optimizer_under_join_bitwise_as_torch_ddp():
+    assert run_ranks(_zero_worker, 3, timeout=200) == [[True, True]] * 3
