@@ -123,7 +123,7 @@ class AutoCap:
     torch DDP has no such thing (its default, 25 MiB with a 1 MiB first bucket, is one of the candidates
     here in spirit: 1 and 25 are both tried).
 
-    How, as the reducer runs it (Reducer.maybe_rebuild, before each forward that may sync):
+    How, as the layout runs it (layout.BucketLayout.maybe_replan, before each forward that may sync):
       * the first iteration runs as torch DDP's does (one bucket, or the construction layout with
         find_unused_parameters); from the next forward on, each candidate cap in turn lays out the
         buckets (`plan_for(cap)`: the layout torch DDP would use with that cap) for one untimed step
@@ -135,7 +135,7 @@ class AutoCap:
       * when every candidate has been timed, each rank takes rank 0's fastest (a broadcast: one
         decision, so every rank's buckets stay the same), and the layout stays for the rest of training.
     Every rank switches at the same completed-iteration count (failed iterations do not count, on any
-    rank), so the ranks' layouts change together. Rank 0's clock decides; the broadcast is the reducer's.
+    rank), so the ranks' layouts change together. Rank 0's clock decides; the broadcast is the layout's.
 
     Args:
         candidates: bucket caps to try, in MiB. Default None: CANDIDATE_CAPS_MB (read when built).
