@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 import minidp
 from harness import workers_forked
+from minidp.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -37,7 +38,8 @@ ACCURACY = re.compile(r"epoch 1/1  train loss [\d.]+  val loss [\d.]+  val accur
 
 def _torchrun_ddp(tmp_path, options) -> Command:
     """`torchrun --nproc-per-node 2 examples/train_torchvision.py --tiny --engine ddp ...`, started now."""
-    cmd = [os.path.join(VENV_BIN, "torchrun"), "--nproc-per-node", "2", os.path.join(EXAMPLES, "train_torchvision.py"),
+    cmd = [os.path.join(VENV_BIN, "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()),
+           os.path.join(EXAMPLES, "train_torchvision.py"),
            "--tiny", *options, "--engine", "ddp", "--checkpoint", str(tmp_path / "ddp"), "--report",
            str(tmp_path / "ddp.json")]
     return Command(cmd, ROOT, timeout=240)

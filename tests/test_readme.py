@@ -16,7 +16,8 @@ What changes before a README line runs, and nothing else:
     `--master-port 29500` -> a free port. On one node `--nproc-per-node N` becomes 1: test_launch.py,
     test_torchrun.py and test_examples.py (torch's DDP with --sync-bn under torchrun, compared with
     minidp) run these launcher shapes at world size 2 already, and each process costs seconds of this
-    2-core machine;
+    2-core machine. A single-node torchrun command gets a free port through torchrun's PET_MASTER_PORT
+    (its text unchanged): items run two at a time, and torchrun's default port is the same for all;
   * placeholders: `train.py` -> tests/scripts/ddp_train.py (a torch DDP script for torchrun) with the
     README's ```diff blocks applied, so it is minidp's (across 2 ranks in the two-node command);
     `~/imagenette` and "imagenet/train" -> tiny generated image folders; `make_or_download_data()`
@@ -154,7 +155,13 @@ class Workspace:
         return str(self.tmp / name)
 
     def command(self, cmd, cwd=ROOT) -> Command:
-        return Command(cmd, cwd, self.env, timeout=TIMEOUT_S)
+        env = self.env
+        if isinstance(cmd, str) and cmd.startswith("torchrun ") and not re.search(
+                r"--master-port|--rdzv-endpoint|--standalone", cmd):
+            # torchrun's own default port is 29500 for every run: two README items running at once
+            # would share one store. PET_MASTER_PORT is torchrun's --master-port, the command unchanged.
+            env = {**env, "PET_MASTER_PORT": str(free_port())}
+        return Command(cmd, cwd, env, timeout=TIMEOUT_S)
 
 
 def small_form(cmd: str, ws: Workspace, node_rank: int = 0, port: int = 0) -> str:

@@ -78,7 +78,8 @@ def runs(tmp_path_factory):
     groups = {
         "nodes": _check(tmp, "nodes", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                         "--rdzv-endpoint", endpoint, "--rdzv-id", "minidp-test", nodes=2),
-        "fail": _check(tmp, "fail", "--nproc-per-node", "2", fail_rank=1),
+        # Static rendezvous on a free port (torchrun's default, 29500, may be another run's on this machine).
+        "fail": _check(tmp, "fail", "--nproc-per-node", "2", "--master-port", str(free_port()), fail_rank=1),
     }
     if HAVE_DALI:
         groups["dali"] = _dali_example(tmp)
