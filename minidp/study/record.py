@@ -13,8 +13,6 @@ import time
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
 
@@ -96,7 +94,14 @@ def run_minidp(cfg, x, progress) -> dict:
 
 
 def run_torch_ddp(cfg, x, progress) -> dict:
-    """Per step: the parameters of each bucket (by index) and when DDP called the hook for it."""
+    """Per step: the parameters of each bucket (by index) and when DDP called the hook for it.
+
+    torch DDP here is the reference explain compares minidp with ("does torch DDP build the same
+    buckets?"), imported only for that; minidp's engine never uses it.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
     module = _seeded_model(cfg)
     names = {id(p): n for n, p in module.named_parameters()}
     model = TorchDDP(module, bucket_cap_mb=cfg["bucket_cap_mb"], find_unused_parameters=cfg["find_unused"])
