@@ -15,11 +15,11 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
 from harness import run_ranks
-from minidp.engine import planning
+from minidp.engine import autocap
 from models import build
 
 CANDIDATES = (0.0005, 0.002, 0.01, 1)  # MiB: 3 distinct layouts of the test MLP (0.01 and 1: one bucket)
-STEPS = planning.ROUNDS * 3 * (planning.STEPS + 1) + 4  # every visit of the 3 layouts, and a few after
+STEPS = autocap.ROUNDS * 3 * (autocap.STEPS + 1) + 4  # every visit of the 3 layouts, and a few after
 
 
 def _train(engine, cap, group, steps=STEPS):
@@ -56,7 +56,7 @@ def _torch_layout(cap):
 
 
 def _worker():
-    planning.CANDIDATE_CAPS_MB = CANDIDATES  # read when a tuner is built
+    autocap.CANDIDATE_CAPS_MB = CANDIDATES  # read when a tuner is built
     ours, _ = _train(minidp.DDP, "auto", None)
     tuner = ours.auto_bucket_cap
     out = {"chosen": tuner.chosen, "timed": sorted(tuner.medians()), "fastest_here": tuner.fastest(),

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
 from harness import run_ranks
-from minidp.engine.buckets import build_buckets
+from minidp.engine.buckets import Bucket
 
 STEPS, SHARD = 4, 2
 
@@ -22,7 +22,7 @@ def test_views_have_the_parameters_strides():
     conv = nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
     odd = nn.Parameter(torch.randn(6, 4)[:, ::2])  # not dense: a C-contiguous view, as DDP falls back to
     params = [conv.weight, conv.bias, odd]
-    (bucket,) = build_buckets([[0, 1, 2]], params, [False] * 3)
+    bucket = Bucket(0, [0, 1, 2], params)
     assert bucket.views[0].stride() == conv.weight.stride() != conv.weight.contiguous().stride()
     assert bucket.views[2].stride() == (2, 1) and bucket.views[2].shape == odd.shape
     assert [v.data_ptr() - bucket.buffer.data_ptr() for v in bucket.views] == [4 * o for o in bucket.offsets]

@@ -1,20 +1,29 @@
-"""The engine: what torch's DistributedDataParallel does, in files a learner reads in order.
+"""The engine: what torch's DistributedDataParallel does, in files a learner reads in order (README.md).
 
-  ddp.py          the nn.Module wrapper: verify and broadcast at construction, the collectives
-                  before each forward, no_sync(), register_comm_hook(), join()
+First read, the default step:
+  ddp.py          the nn.Module wrapper: construct (check, broadcast, build the reducer), forward,
+                  no_sync(), register_comm_hook()
   reducer.py      one hook per parameter, buckets launched in order as they fill, and the
                   end-of-backward finalize that waits and writes the averaged gradients back
-  layout.py       the buckets over training: built, rebuilt once in ready order, re-planned by "auto"
-  planning.py     bucket planning (DDP's layout rules) and the automatic cap (bucket_cap_mb="auto")
   buckets.py      the flat buffers and their views: gradients copied in, reduced gradients written back
+  layout.py       which bucket each gradient goes to: built at construction, rebuilt once in ready order
+  planning.py     DDP's bucket layout rules
   hooks.py        GradBucket and the default all-reduce hook (DDP's comm-hook contract)
-  collectives.py  coalesced broadcast, cross-rank agreement checks
-  join.py         uneven inputs on torch's Join protocol
-  static_graph.py static_graph=True: hook counts learned in the first iteration (unused, checkpointed)
+Second read, one file per mode or feature, each saying what it changes in the core:
+  readiness.py    the readiness policies: default and find_unused_parameters
+  static_graph.py static_graph=True as a readiness policy: hook counts learned in the first iteration
+  recovery.py     a backward that raised on one rank: the step closed on every rank, the status exchange
+  join.py         uneven inputs on torch's Join protocol, and join()'s divisor
+  sparse.py       sparse gradients as a bucket kind
+  autocap.py      bucket_cap_mb="auto": time a few caps, keep rank 0's fastest
   debug.py        debug mode: per-step fingerprints of what each rank reduces
+  timeline.py     the event recorder behind model.enable_timeline() (does nothing when off)
+  inspection.py   enable_timeline(), bucket_plan(), auto_bucket_cap
+  compat.py       the torch-compat surface: torch DDP's attributes, legacy helpers, pickling
+  hook_checks.py  torch DDP's checks of a comm hook at registration
   arguments.py    the constructor's checks before any collective: arguments, device_mesh, transport
   devices.py      one device per process: device_ids checked, inputs moved there as DDP does
-  timeline.py     the event recorder behind model.enable_timeline()
+  collectives.py  coalesced broadcast, cross-rank agreement checks
   graph_split.py  a torch.compile backend that cuts the graph at bucket boundaries, so gradients
                   arrive during backward under torch.compile, in both wrapping orders
 """

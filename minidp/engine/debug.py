@@ -5,7 +5,7 @@ one step fewer, or builds other buckets, its collectives pair with the wrong one
 a hang, an error deep inside gloo/NCCL, or (worst) a silently wrong sum.
 
 Debug mode (`MINIDP_DEBUG=1`, or `minidp.DDP(..., debug=True)`) adds a cheap check: before the
-first collective of each forward and before the first bucket of each backward, every rank
+first collective of each forward and at the first gradient hook of each backward, every rank
 all-gathers a fingerprint (phase, iteration, bucket plan, bucket, size). These always pair with
 each other, so a disagreement is seen by every rank at once and reported with its details.
 Off by default: it costs one small all-gather per forward and per backward.
@@ -72,6 +72,22 @@ def check(phase: int, iteration: int, plan: list[list[int]], group, device, buck
             f"what they reduce; {LIKELY_CAUSES}.\n" + "\n".join(lines))
 
 
+def check_step(reducer, phase: int) -> None:
+    """Debug mode: every rank checks that all are in the same iteration with the same buckets.
+
+    Args:
+        reducer: the reducer (its iteration, plan, group, device and debug setting).
+        phase: FORWARD (before a syncing forward's collectives) or BACKWARD (at the first hook).
+            Without debug mode, or at world size 1, nothing.
+    """
+    if not reducer.debug or reducer.world_size == 1:
+        return  # one rank agrees with itself
+    # Before a forward, the iteration it starts; in backward, the one under way.
+    iteration, bucket = (reducer.iteration, 0) if phase == BACKWARD else (reducer.iteration + 1, None)
+    check(phase, iteration, reducer.layout.plan, reducer.process_group, reducer.device, bucket,
+          lambda index: describe_bucket(reducer.layout, index))  # ranks meet here (debug mode only)
+
+
 def check_joined(reducer, phase: int) -> None:
     """On a rank that has joined (join.py): meet the training ranks' check(phase) with a joined fingerprint.
 
@@ -82,7 +98,14 @@ def check_joined(reducer, phase: int) -> None:
     if reducer.debug:
         bucket = 0 if phase == BACKWARD else None
         check(phase, JOINED, reducer.layout.plan, reducer.process_group, reducer.device, bucket,
-              reducer.layout.describe)  # ranks meet here (debug mode only)
+              lambda index: describe_bucket(reducer.layout, index))  # ranks meet here (debug mode only)
+
+
+def describe_bucket(layout, index: int) -> str:
+    """A bucket's parameters, for error messages: "3 parameter(s): fc.weight, fc.bias, ..."."""
+    names = [layout.names[i] for i in layout.plan[index]]
+    shown = names if len(names) <= 4 else names[:2] + ["..."] + names[-1:]
+    return f"{len(names)} parameter(s): {', '.join(shown)}"
 
 
 def find_differing(rows: list[list[int]]) -> tuple[int, list[int]]:

@@ -11,12 +11,7 @@ With no hook registered, minidp runs `allreduce_sum_hook`, and the gradients wer
 by 1/world_size while they were copied into the bucket (DDP's numerics). A registered hook gets
 the raw sum of local gradients instead, and does its own averaging, as in DDP.
 
-The contract is checked as torch DDP checks it: a hook that is not callable is a TypeError, a
-`bucket` or return annotation other than GradBucket / Future a ValueError (at registration); a
-hook that returns no Future, or a Future whose value is not the bucket's gradients, a RuntimeError
-(during backward). minidp is a little more lenient than torch: the bucket parameter need not be
-named `bucket`, annotations may be strings (`from __future__ import annotations`), and a bare
-`Future` return annotation is accepted.
+The registration checks (torch DDP's `_check_comm_hook`) are in hook_checks.py.
 
 Example: a hook that averages in fp16 through the default process group.
 
@@ -28,9 +23,6 @@ Example: a hook that averages in fp16 through the default process group.
     model.register_comm_hook(None, fp16_average)
 """
 from __future__ import annotations
-
-import inspect
-import typing
 
 import torch
 import torch.distributed as dist
@@ -90,55 +82,12 @@ def hook_name(hook) -> str:
     return getattr(hook, "__qualname__", None) or repr(hook)
 
 
-def check_comm_hook(hook) -> None:
-    """torch DDP's registration checks (`_check_comm_hook`): TypeError or ValueError, naming the hook.
-
-    Args:
-        hook: the candidate `hook(state, bucket) -> Future[Tensor]`.
-    """
-    if not callable(hook):
-        raise TypeError(f"register_comm_hook: hook={hook!r} must be callable as hook(state, bucket)")
-    try:
-        sig = inspect.signature(hook)
-    except (TypeError, ValueError):  # some builtins have no signature: nothing more to check
-        return
-    try:
-        sig.bind(None, None)
-    except TypeError:
-        raise TypeError(f"register_comm_hook: hook {hook_name(hook)}{sig} must take two positional "
-                        "arguments, (state, bucket)") from None
-    bucket = _bucket_parameter(sig)
-    if bucket is not None and not _names_type(bucket.annotation, (GradBucket, dist.GradBucket), "GradBucket"):
-        raise ValueError(f"register_comm_hook: hook {hook_name(hook)}'s parameter {bucket.name!r} is annotated "
-                         f"{bucket.annotation!r}; the bucket annotation should be dist.GradBucket")
-    returns = sig.return_annotation
-    if not _names_type(typing.get_origin(returns) or returns, (torch.futures.Future, torch._C.Future), "Future"):
-        raise ValueError(f"register_comm_hook: hook {hook_name(hook)} is annotated to return {returns!r}; "
-                         "the return annotation should be torch.futures.Future[torch.Tensor]")
-
-
-def _bucket_parameter(sig: inspect.Signature):
-    """The parameter that receives the bucket: the one named `bucket` (torch's rule), else the second."""
-    params = list(sig.parameters.values())
-    if "bucket" in sig.parameters:
-        return sig.parameters["bucket"]
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return positional[1] if len(positional) > 1 else None
-
-
-def _names_type(annotation, types: tuple, name: str) -> bool:
-    """Whether an annotation is empty, one of `types`, or a string naming one (`dist.GradBucket`)."""
-    if annotation is inspect.Parameter.empty or annotation in types:
-        return True
-    return isinstance(annotation, str) and annotation.split("[")[0].strip().split(".")[-1] == name
-
-
 def call_comm_hook(hook, state, bucket: GradBucket) -> torch.futures.Future:
-    """Run `hook(state, bucket)` and check that it returned a Future (torch raises RuntimeError too)."""
+    """Run `hook(state, bucket)` and check that it returned a Future (torch's RuntimeError, its words first)."""
     future = hook(state, bucket)
     if not isinstance(future, torch._C.Future):
-        raise RuntimeError(f"communication hook {hook_name(hook)} must return a torch.futures.Future, but "
-                           f"returned {type(future).__name__}: {_short(future)}")
+        raise RuntimeError(f"callback must return a torch.futures.Future object, but got {type(future).__name__}: "
+                           f"communication hook {hook_name(hook)} returned {_short(future)}")
     return future
 
 

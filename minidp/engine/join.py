@@ -3,12 +3,14 @@
 Built on torch's generic join protocol (`torch.distributed.algorithms.Join`, public): minidp.DDP
 is a `JoinableDDP`, so inside `with model.join():`, a rank whose loop has ended waits in
 `Join.__exit__`, and for every iteration the other ranks still run, it calls our `main_hook`, which
-issues the same collectives a real iteration would, through the same code (`sync_before_module`:
-bucket rebuild, buffer broadcast, the "do we sync?" vote; then one all-reduce of zeros per bucket).
+issues the same collectives a real iteration would, through the same code (`_sync_before_module`:
+bucket rebuild, buffer broadcast; then the "do we sync?" vote and one all-reduce of zeros per bucket).
 When the last rank joins, `post_hook` broadcasts the final model from it, since the joined ranks'
 optimizers stopped stepping. Same protocol and numerics as torch DDP's join().
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from ..validate import check_bool
 from . import debug as debug_mode
 from .collectives import broadcast_coalesced, flat_chunks
+from .reducer import Step
 
 
 def find_common_rank(group, device, candidate: bool) -> int:
@@ -57,15 +60,48 @@ def broadcast_from_last_trainer(tensors: list, group, device, training: bool) ->
             torch._foreach_copy_(chunk, [piece.view_as(t) for piece, t in zip(pieces, chunk)])
 
 
-def vote_to_sync(ddp, joined: bool) -> bool | None:
-    """All ranks vote whether this iteration syncs gradients; a joined rank votes no, and learns the result."""
-    vote = torch.ones(1, device=ddp.join_device) if (not joined and ddp.require_backward_grad_sync) \
-        else torch.zeros(1, device=ddp.join_device)
-    work = dist.all_reduce(vote, group=ddp.process_group, async_op=True)  # ranks meet here
-    if not joined:
-        return None  # a training rank syncs if it wants to; only joined ranks need the answer
-    work.wait()
+def vote_to_sync(ddp) -> None:
+    """A training rank's vote (async): does it sync gradients this iteration? Joined ranks learn the result."""
+    vote = torch.full((1,), float(ddp.require_backward_grad_sync), device=ddp.join_device)
+    dist.all_reduce(vote, group=ddp.process_group, async_op=True)  # ranks meet here
+
+
+def learn_whether_to_sync(ddp) -> bool:
+    """A joined rank's side of vote_to_sync: it votes no and waits for the others' answer."""
+    vote = torch.zeros(1, device=ddp.join_device)
+    dist.all_reduce(vote, group=ddp.process_group)  # ranks meet here
     return vote.item() != 0
+
+
+class CountedDivisor:
+    """join(divide_by_initial_world_size=False): divide by the ranks still training (a buckets.Divisor).
+
+    Counted by an async all-reduce started before the forward (Join.notify_join_context), waited for
+    at the first gradient copied, and kept on the device (no .item(), which would wait for the GPU).
+    """
+
+    def __init__(self, work):
+        self.work = work
+
+    @functools.cached_property
+    def value(self) -> torch.Tensor:
+        self.work.wait()
+        return self.work.result()[0].reshape(())
+
+    @functools.cached_property
+    def reciprocal(self) -> torch.Tensor:
+        return 1.0 / self.value.double()  # as DDP's reciprocal, in float64
+
+
+def shadow_backward(reducer) -> None:
+    """For a rank that has joined (no more data): match one backward's collectives with zeros."""
+    debug_mode.check_joined(reducer, debug_mode.BACKWARD)  # ranks meet here (debug mode only), as the first hook
+    step = Step(reducer.layout.buckets, len(reducer.params), divisor=None)
+    for bucket in reducer.layout.buckets:  # ranks meet here: the same buckets, in the same order, as training ranks
+        step.futures.append(reducer.reduce(bucket, bucket.zeros()))
+    _, failed_ranks, _ = reducer.end_step(step, failed=False)
+    if not failed_ranks and not reducer.layout.ready_order:
+        reducer.layout.note_ready_order(range(len(reducer.params)))  # as DDP: a joined rank votes for the default
 
 
 class DDPJoinHook(JoinHook):
@@ -78,10 +114,11 @@ class DDPJoinHook(JoinHook):
         ddp = self.ddp
         # Ranks meet here: the same collectives, from the same code, as a training rank's forward.
         debug_mode.check_joined(ddp.reducer, debug_mode.FORWARD)  # ranks meet here (debug mode only)
-        should_sync = ddp.sync_before_module(joined=True)
+        ddp._sync_before_module(joined=True)
+        should_sync = learn_whether_to_sync(ddp)  # ranks meet here
         ddp.require_forward_param_sync = should_sync
         if should_sync:
-            ddp.reducer.shadow_backward()
+            shadow_backward(ddp.reducer)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
@@ -116,7 +153,8 @@ class JoinableDDP(Joinable):
 
     @property
     def join_device(self) -> torch.device:
-        return self.reducer.buckets[0].buffer.device
+        """Where join()'s votes run: the module's device (there may be no bucket at world size 1)."""
+        return self.reducer.device
 
     @property
     def join_process_group(self):

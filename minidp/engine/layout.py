@@ -1,14 +1,12 @@
-"""The bucket layout over training: which bucket and slot each gradient goes to, and when that changes.
+"""The buckets over training: which bucket and slot each gradient goes to, and when that changes.
 
-torch DDP's layout changes at most twice, and minidp's at the same points:
+torch DDP's layout changes at most once, and minidp's at the same point:
   * at construction: planning.plan_initial (one bucket for the first iteration, unless
     find_unused_parameters);
-  * once, after the first synced iteration (when torch's `needs_rebuild`): re-planned in the order
-    the gradients became ready, rank 0's order broadcast so every rank builds the same buckets;
-  * with bucket_cap_mb="auto": in the first iterations, each candidate cap in turn (planning.AutoCap),
-    then rank 0's fastest, broadcast.
-Each adopted plan gets fresh buffers (buckets.build_buckets), unless gradients are reduced locally
-(world size 1 on the default path), where only the plan is kept (the timeline and debug mode read it).
+  * once, after the first synced iteration (torch's `needs_rebuild`): re-planned in the order the
+    gradients became ready, rank 0's order broadcast so that every rank builds the same buckets.
+(With bucket_cap_mb="auto" the first iterations also try other caps: autocap.py.)
+At world size 1 on the default path there are no buffers (`allocate=False`): only the plan is kept.
 """
 from __future__ import annotations
 
@@ -16,32 +14,37 @@ import torch
 import torch.distributed as dist
 
 from . import planning
-from .buckets import build_buckets
+from .buckets import Bucket
 from .collectives import global_rank
+from .sparse import SparseBucket
+
+SMALL_GRAD_NUMEL = 65536  # a dense gradient below this waits and is copied at launch, in one batch
 
 
 class BucketLayout:
-    """The reducer's current buckets, and the re-planning that replaces them.
+    """The reducer's current buckets, and the one rebuild that replaces them.
 
     Args:
         params, names: the reducer's parameters and their names.
         sparse: by parameter, whether its gradient is sparse (a bucket of its own).
         bucket_cap_mb: the wrapper's cap in MiB, None (DDP's default) or "auto".
         needs_rebuild: torch's `static_graph or not find_unused_parameters`: rebuild once, in ready order.
-        process_group: the group whose rank 0 decides re-plans (None: the world).
+        process_group: the group whose rank 0's order is adopted (None: the world).
         allocate: build the buffers (False: world size 1 on the default path, the plan alone).
-        gradient_as_bucket_view: a gradient that exists when a plan is adopted moves into its bucket.
+        as_view: gradient_as_bucket_view (gradients then never wait to be copied at launch).
     """
 
-    def __init__(self, params, names, sparse, *, bucket_cap_mb, needs_rebuild, process_group, allocate,
-                 gradient_as_bucket_view):
+    def __init__(self, params, names, sparse, *, bucket_cap_mb, needs_rebuild, process_group, allocate, as_view):
         self.params, self.names, self.sparse, self.process_group = params, names, sparse, process_group
-        self.allocate, self.gradient_as_bucket_view = allocate, gradient_as_bucket_view
+        self.allocate, self.as_view, self.needs_rebuild = allocate, as_view, needs_rebuild
         self.world_size, self.device = dist.get_world_size(process_group), params[0].device
-        self.needs_rebuild = needs_rebuild
-        self.rebuild_pending, self.ready_order = needs_rebuild, []  # ready_order: filled by the reducer
-        self.tuner = planning.AutoCap() if bucket_cap_mb == "auto" else None
+        self.rebuild_pending, self.ready_order = needs_rebuild, None  # the order noted by the reducer
+        from .autocap import AutoCap  # a feature beside the core
+        self.tuner = AutoCap() if bucket_cap_mb == "auto" else None
         self.cap = self.tuner.cap if self.tuner else bucket_cap_mb  # the cap in use
+        # The one place that decides: small dense gradients wait, and are copied at launch in a batch.
+        self.copy_later = [p.numel() < SMALL_GRAD_NUMEL and not is_sparse and not as_view
+                           for p, is_sparse in zip(params, sparse)]
         limits = planning.bucket_limits(self.cap, first_iteration=True, needs_rebuild=needs_rebuild)
         self.adopt(planning.plan_initial(*self._sizes_and_keys(), limits, sparse))
 
@@ -49,19 +52,18 @@ class BucketLayout:
         return [p.numel() * p.element_size() for p in self.params], [(p.dtype, p.device) for p in self.params]
 
     def adopt(self, plan: list[list[int]]) -> None:
-        """Make `plan` (parameter indices per bucket, in launch order) the layout, with its buffers."""
+        """Make `plan` (parameter indices per bucket, in launch order) the layout, with fresh buffers."""
         self.plan = [list(indices) for indices in plan]
-        self.bucket_index_of = [0] * len(self.params)  # for the timeline's "grad_ready"
-        for b, indices in enumerate(self.plan):
-            for i in indices:
-                self.bucket_index_of[i] = b
-        self.buckets = build_buckets(plan, self.params, self.sparse) if self.allocate else []
-        self.bucket_of, self.slot_of = [None] * len(self.params), [0] * len(self.params)
+        kinds = [SparseBucket if self.sparse[indices[0]] else Bucket for indices in plan]
+        self.buckets = [kind(b, indices, self.params) for b, (kind, indices) in enumerate(zip(kinds, plan))] \
+            if self.allocate else []
+        n = len(self.params)
+        self.bucket_of, self.slot_of = [None] * n, [0] * n  # bucket_of None: reduced locally
         for bucket in self.buckets:
             for slot, i in enumerate(bucket.param_indices):
                 self.bucket_of[i], self.slot_of[i] = bucket, slot
                 grad = self.params[i].grad
-                if self.gradient_as_bucket_view and grad is not None and not bucket.sparse:
+                if self.as_view and grad is not None and not bucket.sparse:
                     bucket.views[slot].copy_(grad)  # adopt the existing gradient, as DDP does
                     self.params[i].grad = bucket.views[slot]
 
@@ -70,35 +72,31 @@ class BucketLayout:
         self.allocate = True
         self.adopt(self.plan)
 
-    def by_name(self) -> list[list[str]]:
-        """The current layout by parameter name, in launch order (for reading and tests)."""
-        return [[self.names[i] for i in indices] for indices in self.plan]
-
-    def describe(self, index: int) -> str:
-        names = [self.names[i] for i in self.plan[index]]
-        shown = names if len(names) <= 4 else names[:2] + ["..."] + names[-1:]
-        return f"{len(names)} parameter(s): {', '.join(shown)}"
+    def note_ready_order(self, order) -> None:
+        """The order gradients became ready in a step that succeeded on every rank (kept if a rebuild waits)."""
+        if self.rebuild_pending and order is not None:
+            self.ready_order = list(order)
 
     def maybe_replan(self, completed: int) -> bool:
-        """Before a forward: rebuild after the first synced iteration (once), step the cap tuner.
+        """Before a forward: rebuild in ready order once, after the first synced iteration noted one.
 
         Args:
-            completed: synced iterations completed on every rank (the tuner times by it).
+            completed: synced iterations completed on every rank (bucket_cap_mb="auto" times by it).
         Returns:
-            Whether the buckets were rebuilt in ready order now.
+            Whether the buckets were rebuilt now.
         """
-        rebuilt = self.rebuild_pending and bool(self.ready_order)
+        rebuilt = bool(self.rebuild_pending and self.ready_order)
         if rebuilt:
             if len(self.ready_order) != len(self.params):
                 raise RuntimeError(f"minidp: cannot rebuild buckets: {len(self.ready_order)} of "
                                    f"{len(self.params)} gradients were recorded in the first iteration")
             order = torch.tensor(self.ready_order, dtype=torch.int64, device=self.device)
-            if self.world_size > 1:  # ranks meet here: all ranks adopt rank 0's order, so their layouts agree
+            if self.world_size > 1:  # ranks meet here: all adopt rank 0's order, so their layouts agree
                 dist.broadcast(order, src=global_rank(self.process_group, 0), group=self.process_group)
-            self.rebuilt_order, self.rebuild_pending, self.ready_order = order.tolist(), False, []
+            self.rebuilt_order, self.rebuild_pending, self.ready_order = order.tolist(), False, None
             self.adopt(self.plan_for(self.cap))
         if self.tuner is not None and not self.rebuild_pending:
-            self._tune(completed)
+            self.tuner.retune(self, completed)  # bucket_cap_mb="auto": ranks meet there when it decides
         return rebuilt
 
     def plan_for(self, bucket_cap_mb) -> list[list[int]]:
@@ -109,15 +107,3 @@ class BucketLayout:
             return planning.plan_rebuilt(sizes, keys, limits, self.rebuilt_order, self.sparse)
         limits = planning.bucket_limits(bucket_cap_mb, first_iteration=True, needs_rebuild=False)
         return planning.plan_initial(sizes, keys, limits, self.sparse)
-
-    def _tune(self, completed: int) -> None:
-        """bucket_cap_mb="auto": time the candidate caps in turn, then adopt rank 0's fastest (planning.AutoCap)."""
-        cap = self.tuner.step(completed, self.plan_for)
-        if cap is None:  # every candidate timed
-            best = torch.tensor([self.tuner.fastest()], dtype=torch.int64, device=self.device)
-            if self.world_size > 1:  # ranks meet here: every rank adopts rank 0's choice
-                dist.broadcast(best, src=global_rank(self.process_group, 0), group=self.process_group)
-            cap = self.tuner.chosen = self.tuner.candidates[int(best.item())]
-        if cap != self.cap:
-            self.cap = cap
-            self.adopt(self.plan_for(cap))

@@ -1,8 +1,9 @@
 """A recorder of what happens inside one step: gradients ready, buckets launched and completed.
 
-Off by default: the reducer checks `timeline is not None` and does nothing else.
-Turn it on with `model.enable_timeline()`; each event is (kind, time_ns, fields), time from
-time.perf_counter_ns() (CLOCK_MONOTONIC on Linux: one clock for every process on a machine).
+Off by default: the reducer calls a recorder whose methods do nothing (`OFF`), never `if timeline`.
+Turn it on with `model.enable_timeline()`, which gives the reducer a `ReducerRecorder` over a
+Timeline; each event is (kind, time_ns, fields), time from time.perf_counter_ns() (CLOCK_MONOTONIC
+on Linux: one clock for every process on a machine).
 
 Kinds the reducer records: "grad_ready" (param, bucket), "launch" (bucket), "done" (bucket, from
 the thread that completes the communication), "backward_end", "finalize_end". A training loop may
@@ -115,6 +116,54 @@ class Timeline:
     def to_chrome_trace(self, path: str, pid: int = 0) -> None:
         """Write a Chrome/Perfetto trace (JSON) of the recorded events; `pid` is shown as the rank."""
         write_chrome_trace(path, {pid: self.snapshot()})
+
+
+class RecorderOff:
+    """What the reducer reports to when no timeline records: every method does nothing."""
+
+    def grad_ready(self, index: int) -> None:
+        pass
+
+    def launch(self, bucket: int) -> None:
+        pass
+
+    def watch(self, bucket: int, future) -> None:
+        pass
+
+    def event(self, kind: str) -> None:
+        pass
+
+
+OFF = RecorderOff()
+
+
+class ReducerRecorder(RecorderOff):
+    """The reducer's events into `timeline`, with its parameter names and bucket indices.
+
+    Args:
+        timeline: where the events go.
+        reducer: the reducer reporting (its names, layout and device are read at each event).
+    """
+
+    def __init__(self, timeline: Timeline, reducer):
+        self.timeline, self.reducer = timeline, reducer
+        self._plan, self._bucket_of = None, {}  # parameter -> bucket index, for the current plan
+
+    def grad_ready(self, index: int) -> None:
+        plan = self.reducer.layout.plan
+        if plan is not self._plan:  # a new layout (rebuild, auto cap)
+            self._plan, self._bucket_of = plan, {i: b for b, indices in enumerate(plan) for i in indices}
+        self.timeline.record("grad_ready", param=self.reducer.names[index], bucket=self._bucket_of[index])
+
+    def launch(self, bucket: int) -> None:
+        self.timeline.record("launch", bucket=bucket)
+
+    def watch(self, bucket: int, future) -> None:
+        self.timeline.watch(future, device=self.reducer.device, bucket=bucket)
+
+    def event(self, kind: str) -> None:
+        """"backward_end", "finalize_end", "failed_iteration_closed"."""
+        self.timeline.record(kind)
 
 
 def _host_anchor(device: torch.device):

@@ -1,0 +1,131 @@
+"""The torch-compat surface: what minidp.DDP has only because torch DDP has it.
+
+Scripts and libraries written for torch DDP read its attributes, call its legacy helpers and private
+APIs, pickle it, and mark parameters to ignore. None of this is needed to average gradients; it is
+here, as a base class of minidp.DistributedDataParallel, so that ddp.py shows the engine alone.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
+
+from .devices import move_inputs
+from .static_graph import set_static_graph
+
+
+class TorchCompat:
+    """torch DDP's attributes, helpers and private APIs, with its values and behaviour."""
+
+    @staticmethod
+    def ignored_names(module: nn.Module) -> set:
+        """The names set by _set_params_and_buffers_to_ignore_for_model: neither broadcast nor averaged."""
+        return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+    def set_torch_attributes(self, named_buffers: dict, *, device_ids, output_device, dim, forward_sync_buffers,
+                             batched_grad_copy, device_mesh) -> None:
+        """torch DDP's other public attributes, with its values, for scripts that read them."""
+        self.device_ids = None if device_ids is None else [device_ids.index]  # as DDP's
+        self.device_type = self.device.type if self.device is not None else None
+        self.output_device, self.dim, self.device_mesh = output_device, dim, device_mesh
+        self.forward_sync_buffers = self.broadcast_buffers  # torch >= 2.14's name for it
+        self.batched_grad_copy = batched_grad_copy  # accepted: small gradients are copied in batches anyway
+        self.divide_by_initial_world_size = True  # set by join_hook(), under join()
+        self.named_module_buffers, self.modules_buffers = named_buffers, list(named_buffers.values())
+        self._ignored_buffers = len(named_buffers) != sum(1 for _ in self.module.buffers())
+        self.mixed_precision, self.is_multi_device_module, self.skip_all_reduce_unused_params = None, False, False
+        self.bucket_bytes_cap_default = self.bucket_cap_mb is None
+        self.use_side_stream_for_tensor_copies = False  # inputs are copied on the current stream (move_inputs)
+
+    def buffers_to_sync(self) -> list[torch.Tensor]:
+        """The module's buffers but those set to be ignored (_set_params_and_buffers_to_ignore_for_model)."""
+        if not self._ignored_buffers:
+            return list(self.module.buffers())
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts the buffers (DDP's method of that name)."""
+        return self.require_forward_param_sync and self.broadcast_buffers and self.has_buffers
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """The bucket cap in bytes, as DDP's attribute (25 MiB by default; under "auto" the cap in use)."""
+        cap = self.reducer.layout.cap
+        return int((25 if cap is None else cap) * 1024 * 1024)
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore) -> None:
+        """Mark parameters and buffers (by qualified name) that DDP neither broadcasts nor averages.
+
+        torch DDP's static method of this name, which libraries call before wrapping a model; call it
+        before minidp.DDP(module). Each rank keeps its own value of those tensors.
+        """
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+            if name in params_and_buffers_to_ignore:
+                tensor._ddp_ignored = True
+
+    def _register_builtin_comm_hook(self, comm_hook_type) -> None:
+        """torch DDP's built-in hooks by type (dist.BuiltinCommHookType): ALLREDUCE, FP16_COMPRESS.
+
+        torch runs them in C++; here they are torch's Python hooks that do the same arithmetic
+        (divide by the world size, in fp16 for FP16_COMPRESS, then sum), so results stay bitwise DDP's.
+        """
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # here: few scripts need it
+        hooks = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+                 dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+        if comm_hook_type not in hooks:
+            raise TypeError(f"comm_hook_type={comm_hook_type!r} must be a torch.distributed.BuiltinCommHookType "
+                            "(ALLREDUCE or FP16_COMPRESS)")
+        self.register_comm_hook(None if self.process_group == dist.group.WORLD else self.process_group,
+                                hooks[comm_hook_type])
+
+    def _set_static_graph(self) -> None:
+        """static_graph=True after construction, before the first iteration (torch DDP's private API)."""
+        if not self.static_graph:  # torch only warns when it is set already
+            set_static_graph(self.reducer)
+            self.static_graph = True
+
+    def __getstate__(self) -> dict:
+        """Pickle (torch.save(model), copy.deepcopy) without the process group and reducer, as DDP does.
+
+        They hold live communication state (futures, hooks on this process's parameters); a loaded
+        copy rebuilds them on the default process group (`__setstate__`), with no collective.
+        """
+        if self.process_group != dist.group.WORLD:
+            raise RuntimeError("minidp.DDP can be pickled only on the default process group (as torch DDP): "
+                               f"this one was built with process_group={self.process_group!r}")
+        if self.transport is not None:
+            raise RuntimeError(f"a minidp.DDP built with transport={self.transport!r} cannot be pickled: the "
+                               "transport holds live communicators. Save model.module.state_dict() instead.")
+        state = dict(self.__dict__)
+        del state["process_group"], state["reducer"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("loading a pickled minidp.DDP needs the default process group: call "
+                               "minidp.init() first (its reducer is rebuilt on that group)")
+        super().__setstate__(state)
+        self.process_group = dist.group.WORLD
+        self._build_reducer()  # fresh, as DDP's: the first iteration uses the initial bucket layout
+        if self._comm_hook is not None:  # unlike torch DDP, which drops it from the rebuilt reducer
+            self.reducer.register_comm_hook(*self._comm_hook)
+
+    # torch DDP's input/output helpers, kept for scripts that call them (minidp's forward needs none).
+    def to_kwargs(self, inputs, kwargs, device_id):
+        """`inputs` and `kwargs` moved to device `device_id` of the module's type, as DDP's: ((inputs,), (kwargs,))."""
+        if not inputs and not kwargs:
+            return (), ()
+        device = torch.device(self.device_type, device_id)
+        return ((move_inputs(inputs, device) if inputs else (),),
+                (move_inputs(kwargs, device) if kwargs else {},))
+
+    def scatter(self, inputs, kwargs, device_ids):
+        """torch.nn.parallel.scatter_kwargs along `self.dim`, as DDP's."""
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def gather(self, outputs, output_device):
+        """torch.nn.parallel.gather along `self.dim`, as DDP's."""
+        return gather(outputs, output_device, dim=self.dim)

@@ -1,0 +1,74 @@
+"""Failed-backward recovery: a backward that raises on one rank never lets the ranks diverge.
+
+Why: a backward that raises after its first gradient hook (an error in the model, an out-of-memory
+caught and retried) may have launched only some of the step's bucket all-reduces on this rank, while
+ranks whose backward succeeded launched all of them and now wait for this rank. Before this rank
+issues any other collective (which would pair with theirs), the next forward calls
+`close_failed_step`: it launches the missing buckets (zeros) and reports the failure in the step's
+status all-reduce. Every rank then discards the step, and ranks whose backward had succeeded raise
+from it too: every rank's loop sees the same error, skips the same optimizer step, and the ranks
+stay equal. Zeros rather than a partial buffer: the values are discarded everywhere.
+
+The status all-reduce runs at the end of every synced step (reducer.end_step): one flag per rank
+(did its backward fail?) and, when the readiness policy counts use, how many ranks produced each
+parameter's gradient.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import debug as debug_mode
+
+
+def close_failed_step(reducer) -> None:
+    """First in every forward: if this rank's last backward raised mid-step, close that step with the others."""
+    step = reducer.open_step
+    if step is None:
+        return
+    reducer.step = None
+    for bucket in reducer.layout.buckets[len(step.futures):]:  # ranks meet here: the buckets not launched
+        step.futures.append(reducer.reduce(bucket, bucket.zeros()))
+    reducer.end_step(step, failed=True)
+    reducer.recorder.event("failed_iteration_closed")
+
+
+def start_status(reducer, step, failed: bool):
+    """Start the step's status all-reduce: (status tensor, its work, or None at world size 1)."""
+    counts_use, world_size = reducer.readiness.counts_use, reducer.world_size
+    status = torch.zeros(world_size + len(reducer.params) * counts_use, dtype=torch.int32, device=reducer.device)
+    status[reducer.rank] = int(failed)
+    if counts_use:
+        status[world_size:] = torch.tensor(step.ready, dtype=torch.int32)
+    if world_size == 1:
+        return status, None  # one rank: the sum is this rank's status itself
+    return status, dist.all_reduce(status, group=reducer.process_group, async_op=True)  # ranks meet here
+
+
+def read_status(reducer, status: torch.Tensor, work) -> tuple[list[int], list[int] | None]:
+    """Wait for the status: (ranks whose backward failed, by parameter how many ranks used it, or None)."""
+    try:
+        if work is not None:
+            work.wait()
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"minidp.DDP on rank {reducer.rank}: iteration {reducer.iteration}: the end-of-backward status "
+            f"all-reduce failed; likely {debug_mode.LIKELY_CAUSES}, or a rank's backward raised and it "
+            f"ran no forward afterwards (MINIDP_DEBUG=1 checks every step). Cause: {exc}") from exc
+    # The one host read per step (free on gloo, whose wait already blocked; on CUDA it waits for the
+    # reduction): whether to raise is a decision of the host.
+    counts = status.tolist()
+    return [r for r in range(reducer.world_size) if counts[r]], counts[reducer.world_size:] or None
+
+
+def failed_message(reducer, failed_ranks: list[int]) -> str:
+    return (f"minidp.DDP on rank {reducer.rank}: the backward of iteration {reducer.iteration} raised on rank(s) "
+            f"{failed_ranks}, so every rank discards this iteration's gradients (none were averaged). "
+            "Skip optimizer.step() and call optimizer.zero_grad(), as those ranks do after their own "
+            "error, then go on: the ranks stay equal.")
+
+
+def wait_failed_message(reducer, bucket, exc: Exception) -> str:
+    return (f"minidp.DDP on rank {reducer.rank}: iteration {reducer.iteration}: the all-reduce of bucket "
+            f"{bucket.index} [{debug_mode.describe_bucket(reducer.layout, bucket.index)}] failed; likely "
+            f"{debug_mode.LIKELY_CAUSES} (MINIDP_DEBUG=1 checks every step). Cause: {exc}")
