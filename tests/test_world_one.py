@@ -64,7 +64,7 @@ def _default_path():
             _step(model, x)
     theirs = TorchDDP(build("cnn_bn"))
     _step(theirs, x)
-    return {"collectives": counted.calls, "buckets": len(model.reducer.buckets),
+    return {"collectives": counted.calls, "buckets": len(model.reducer.layout.buckets),
             "in_place": all(p.grad.data_ptr() == places[id(p)] for p in module.parameters()),
             "minidp_equals_local": _equal(_grads(model), _grads(local)),
             "torch_ddp_equals_local": _equal(_grads(theirs), _grads(local))}

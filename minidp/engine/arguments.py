@@ -37,7 +37,7 @@ def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupport
         raise RuntimeError("Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
                            "Run a dummy forward pass to correctly initialize the modules")  # torch DDP's words
     for name, flag in flags.items():
-        if not (name in ("debug", "forward_sync_buffers") and flag is None):  # None: MINIDP_DEBUG / torch's rule
+        if not (name in ("debug", "forward_sync_buffers", "broadcast_buffers") and flag is None):  # None: a default
             check_bool(name, flag)
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group={process_group!r} must be a torch.distributed.ProcessGroup or None")

@@ -1,10 +1,8 @@
 """The flat bucket buffers: gradients copied in during backward, reduced gradients written back.
 
-planning.py decides which parameters share a bucket; a `Bucket` is that decision at run time: one
-flat buffer, allocated once per layout, and one view of it per parameter (`flat_view`, with DDP's
-strides). On the default path a gradient is multiplied by 1/world_size while it is copied in (DDP's
-numerics); a comm hook gets the plain sum and averages itself. After the all-reduce every parameter
-gets its slice of the result. (A sparse gradient gets a bucket of another kind: sparse.py.)
+A `Bucket` is one flat buffer, allocated once per layout, with a view per parameter (`flat_view`,
+DDP's strides). On the default path a gradient is multiplied by 1/world_size while it is copied in
+(DDP's numerics); a comm hook gets the plain sum. (Sparse gradients: another kind, sparse.py.)
 """
 from __future__ import annotations
 
@@ -14,10 +12,7 @@ import torch
 
 
 class Divisor:
-    """What the default path divides gradients by: the world size (join.py's count is another kind).
-
-    `reciprocal` is DDP's 1/divisor in float64, by which a gradient is multiplied while it is copied.
-    """
+    """What the default path divides by: the world size, and DDP's float64 reciprocal (join.py: a count)."""
 
     def __init__(self, value: int):
         self.value, self.reciprocal = value, 1.0 / value
@@ -27,9 +22,8 @@ class Bucket:
     """A flat buffer holding some parameters' gradients back to back.
 
     Args:
-        index: position in the launch order.
-        param_indices: the reducer's parameter indices, in buffer order.
-        params: all the reducer's parameters (for sizes, strides, dtype).
+        index: position in the launch order. param_indices: the reducer's parameters it holds, in
+            buffer order. params: all the reducer's parameters (sizes, strides, dtype).
     """
 
     sparse = False
@@ -42,25 +36,15 @@ class Bucket:
         self.buffer = torch.empty(self.offsets.pop(), dtype=first.dtype, device=first.device)
         self.views = [flat_view(self.buffer, o, params[i]) for i, o in zip(param_indices, self.offsets)]
 
-    def copy_in(self, slot: int, param, grad: torch.Tensor, divisor: Divisor | None, as_view: bool) -> None:
+    def copy_in(self, slot: int, param, grad: torch.Tensor, divisor: Divisor | None) -> None:
         """Put one gradient into its slot; `divisor` None: unscaled (a comm hook averages)."""
-        view = self.views[slot]
-        if grad.data_ptr() == view.data_ptr():  # already there (gradient_as_bucket_view): as DDP,
-            if divisor is not None:             # divided in place
-                view.div_(divisor.value)
-            return
         if divisor is None:
-            view.copy_(grad)
+            self.views[slot].copy_(grad)
         else:
-            torch.mul(grad, divisor.reciprocal, out=view)  # DDP: multiply by the reciprocal while copying
-        if as_view:
-            param.grad = view  # gradient_as_bucket_view: from now on the gradient lives in the bucket
+            torch.mul(grad, divisor.reciprocal, out=self.views[slot])  # DDP: multiply by 1/N while copying
 
     def copy_later(self, waiting: list, divisor: Divisor | None) -> None:
-        """At launch: copy the small gradients that waited, `(slot, grad)` pairs, in one batched op.
-
-        The same products as copy_in's, for one Python-issued op instead of one per gradient.
-        """
+        """At launch: copy the small gradients that waited, `(slot, grad)` pairs, in one batched op."""
         views = [self.views[slot] for slot, _ in waiting]
         torch._foreach_copy_(views, [grad for _, grad in waiting])
         if divisor is not None and len(views) == len(self.views):
@@ -76,43 +60,28 @@ class Bucket:
         """A buffer of zeros, for a rank that only matches the others' collectives (join, recovery)."""
         return torch.zeros_like(self.buffer)
 
-    def write_back(self, result: torch.Tensor, params: list, as_view: bool, unused: set) -> None:
-        """Each parameter gets its reduced gradient from `result`, this bucket's reduced buffer.
+    def write_back(self, result: torch.Tensor, params: list, unused: set) -> None:
+        """Each parameter's `.grad` gets its slice of `result`, this bucket's reduced buffer (one batched copy).
 
-        Copied into `.grad` (one batched op), or with gradient_as_bucket_view `.grad` is the view. A
-        parameter no rank produced a gradient for (`unused`) keeps its `.grad` (None), as in DDP.
+        A parameter no rank produced a gradient for (`unused`) keeps its `.grad` (None), as in DDP.
         """
-        if result is self.buffer and not as_view and not unused:
-            grads = [params[i].grad for i in self.param_indices]
-            if all(g is not None for g in grads):  # the usual step: one batched copy
-                torch._foreach_copy_(grads, self.views)
-                return
-        copy_to, copy_from = [], []
+        grads, slices = [], []
         for slot, i in enumerate(self.param_indices):
             if i in unused:
                 continue
-            param, view = params[i], self.views[slot]
-            out = view if result is self.buffer else flat_view(result, self.offsets[slot], param)
-            if as_view and out is not view:
-                copy_to.append(view)
-                copy_from.append(out)
-            if as_view and (param.grad is None or param.grad.data_ptr() != view.data_ptr()):
-                param.grad = view
-            elif not as_view and param.grad is None:
-                param.grad = out.clone()
-            elif not as_view:
-                copy_to.append(param.grad)
-                copy_from.append(out)
-        if copy_to:
-            torch._foreach_copy_(copy_to, copy_from)
+            out = self.views[slot] if result is self.buffer else flat_view(result, self.offsets[slot], params[i])
+            if params[i].grad is None:  # no gradient on this rank (find_unused_parameters)
+                params[i].grad = out.clone()
+            else:
+                grads.append(params[i].grad)
+                slices.append(out)
+        if grads:
+            torch._foreach_copy_(grads, slices)
 
 
 def flat_view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    """The slot of `like`'s gradient in a flat buffer: `like.numel()` elements from `offset`.
-
-    As DDP's bucket views: with `like`'s strides when its memory is dense (channels_last weights get
-    channels_last gradients, laid out in memory order), else C-contiguous.
-    """
+    """`like.numel()` elements of a flat buffer from `offset`, shaped like `like`: as DDP's bucket views,
+    with `like`'s strides when its memory is dense (channels_last stays channels_last), else C-contiguous."""
     if like.is_contiguous() or _non_overlapping_and_dense(like):  # is_contiguous: the common case, in C
         return buffer.as_strided(like.shape, like.stride(), buffer.storage_offset() + offset)
     return buffer[offset:offset + like.numel()].view(like.shape)

@@ -177,3 +177,18 @@ def _first_difference(a: list, b: list) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
+
+
+def check_same_model(params: list, buffers: list, settings: list, group=None) -> None:
+    """Every rank must wrap the same parameters and buffers with the same settings; say where they differ.
+
+    Args:
+        params, buffers: (name, tensor) pairs. settings: "keyword=value" strings that shape the buckets.
+    """
+    records = [("parameter", n, tuple(p.shape), str(p.dtype)) for n, p in params]
+    records += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in buffers]
+    records.append(("settings", *settings))
+    # A differing setting (e.g. bucket_cap_mb) would give different buckets from iteration 2 on, and
+    # sums of unrelated gradients: refuse before iteration 1.
+    device = next((p.device for _, p in params), None)  # under NCCL the check runs on the module's GPU
+    check_same_across_ranks("parameter/buffer/setting", records, group, device=device)  # ranks meet here

@@ -23,6 +23,15 @@ class TorchCompat:
         """The names set by _set_params_and_buffers_to_ignore_for_model: neither broadcast nor averaged."""
         return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
+    @staticmethod
+    def buffer_sync(broadcast_buffers, forward_sync_buffers) -> tuple[bool, bool]:
+        """(sync buffers at construction, in every forward): torch >= 2.14 splits broadcast_buffers
+        (both; None means True) into construction and forward_sync_buffers (forward only, when given)."""
+        broadcast_buffers = True if broadcast_buffers is None else broadcast_buffers
+        if forward_sync_buffers is None:
+            return broadcast_buffers, broadcast_buffers
+        return True, forward_sync_buffers
+
     def set_torch_attributes(self, named_buffers: dict, *, device_ids, output_device, dim, forward_sync_buffers,
                              batched_grad_copy, device_mesh) -> None:
         """torch DDP's other public attributes, with its values, for scripts that read them."""
@@ -109,9 +118,12 @@ class TorchCompat:
                                "minidp.init() first (its reducer is rebuilt on that group)")
         super().__setstate__(state)
         self.process_group = dist.group.WORLD
-        self._build_reducer()  # fresh, as DDP's: the first iteration uses the initial bucket layout
-        if self._comm_hook is not None:  # unlike torch DDP, which drops it from the rebuilt reducer
-            self.reducer.register_comm_hook(*self._comm_hook)
+        # Fresh, as DDP's: the first iteration uses the initial bucket layout.
+        self._build_reducer([(n, p) for n, p in self.module.named_parameters()
+                             if p.requires_grad and n not in self.parameters_to_ignore])
+        hook, self._comm_hook = self._comm_hook, None
+        if hook is not None:  # unlike torch DDP, which drops it from the rebuilt reducer
+            self.register_comm_hook(*hook)
 
     # torch DDP's input/output helpers, kept for scripts that call them (minidp's forward needs none).
     def to_kwargs(self, inputs, kwargs, device_id):

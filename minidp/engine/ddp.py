@@ -1,9 +1,7 @@
 """minidp.DistributedDataParallel: the nn.Module wrapper. Construct, forward, no_sync, register_comm_hook.
 
-A drop-in for torch's DistributedDataParallel (torch DDP): same constructor keywords, same `.module`,
-same state_dict keys ("module." prefix). The gradient averaging itself is the reducer's (reducer.py).
-What exists only because torch DDP has it (legacy helpers, attributes with torch's values, pickling)
-is in compat.py; join() in join.py; the timeline and bucket_plan() in inspection.py.
+A drop-in for torch DDP: same keywords, `.module`, state_dict keys. The averaging is reducer.py's;
+what exists only because torch DDP has it is compat.py's; join() is join.py's.
 """
 from __future__ import annotations
 
@@ -13,47 +11,34 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join
 
 from . import debug as debug_mode
 from .arguments import check_arguments, check_transport, group_of_mesh
-from .collectives import broadcast_coalesced, check_same_across_ranks
+from .collectives import broadcast_coalesced, check_same_model
 from .compat import TorchCompat
 from .devices import check_devices, check_sync_batchnorm, move_inputs
 from .graph_split import ModuleRunner, forward_outside_dynamo
-from .hook_checks import check_comm_hook
+from .hook_checks import check_comm_hook, hook_name
 from .inspection import Inspection
-from .join import CountedDivisor, JoinableDDP, broadcast_from_last_trainer, vote_to_sync
+from .join import JoinableDDP, broadcast_from_last_trainer
 from .recovery import close_failed_step
 from .reducer import Reducer
-from .sparse import check_sparse, sparse_gradient_flags
+from .sparse import sparse_gradient_flags
 
 
 class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
     """Average gradients over ranks during backward, bucket by bucket, as torch DDP does.
 
-    Args:
-        module: the model, already on this rank's device.
-        device_ids: None, or [the module's device] for a GPU module: forward moves the inputs there.
-        output_device, dim, check_reduction: accepted for compatibility (ignored, as in torch DDP).
-        broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) at construction and
-            in every forward. Default True.
-        init_sync: broadcast rank 0's parameters and buffers at construction. Default True.
-        process_group: the group to average over. Default: the world.
-        device_mesh: a 1-D torch DeviceMesh: average over its group instead (not with process_group).
-        bucket_cap_mb: bucket size in MiB, or "auto" (autocap.py). Default None: 25 MiB, first bucket 1 MiB.
-        find_unused_parameters: parameters that get no gradient are reduced as zeros. Default False.
-        gradient_as_bucket_view: `.grad` tensors become views into the buckets. Default False.
-        static_graph: every iteration uses the same parameters, as often (static_graph.py). Default False.
-        debug: check every step that all ranks reduce the same thing (debug.py). Default None:
-            on when the environment has MINIDP_DEBUG=1.
-        transport: a minidp.comm transport that carries the default all-reduce instead of
-            process_group (same arithmetic, other wires). Default None.
-        forward_sync_buffers, batched_grad_copy: torch >= 2.14's keywords (see compat.py).
+    Args: torch DDP's keywords, with its defaults and meanings: module (on this rank's device),
+        device_ids, broadcast_buffers, init_sync, process_group or device_mesh, bucket_cap_mb (25 MiB,
+        the first bucket 1 MiB), find_unused_parameters, gradient_as_bucket_view, static_graph
+        (output_device, dim, check_reduction ignored, as in torch); and minidp's own:
+        bucket_cap_mb="auto": time a few caps in the first iterations, keep the fastest (autocap.py);
+        debug: check every step that all ranks reduce the same thing (debug.py). Default: MINIDP_DEBUG=1;
+        transport: a minidp.comm transport for the default all-reduce (other wires). Default None.
 
     Example:
-        env = minidp.init()
-        model = minidp.DDP(model.to(env.device))
+        model = minidp.DDP(model.to(minidp.init().device))
         loss_fn(model(x), y).backward()      # gradients are averaged when this returns
     """
 
@@ -66,7 +51,6 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
                  **unsupported):
         super().__init__()  # nn.Module's, and Joinable's (join.py) on the way
         process_group = group_of_mesh(device_mesh, process_group)
-        broadcast_buffers = True if broadcast_buffers is None else broadcast_buffers  # torch >= 2.14's default
         flags = dict(broadcast_buffers=broadcast_buffers, init_sync=init_sync, static_graph=static_graph, debug=debug,
                      find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
                      forward_sync_buffers=forward_sync_buffers, batched_grad_copy=batched_grad_copy)
@@ -77,63 +61,45 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
         self.input_device = check_devices([p for _, p in all_named], device_ids)  # inputs go there (None: stay)
         if not dist.is_initialized():
             raise RuntimeError("minidp.DDP needs a process group: call minidp.init() first")
-        self.module = module
+        self.module, self._comm_hook = module, None  # _comm_hook: (state, hook) once registered
         self.process_group = dist.group.WORLD if process_group is None else process_group
         self.device = all_named[0][1].device if all_named else None  # as DDP's: the module's device
         check_sync_batchnorm(module, self.device)
         self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
         self.gradient_as_bucket_view, self.bucket_cap_mb = gradient_as_bucket_view, bucket_cap_mb
-        # torch >= 2.14 splits broadcast_buffers into construction and forward_sync_buffers (forward only).
-        self.broadcast_buffers = broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
+        sync_buffers_at_init, self.broadcast_buffers = self.buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # whether the next forward broadcasts buffers
         self.debug = debug_mode.debug_from_env() if debug is None else debug
         self.has_buffers = bool(named_buffers)  # else skip the walk on every forward
         self.transport = check_transport(transport, module, self.process_group)
-        self._comm_hook = None  # (state, hook) once registered
         self.set_torch_attributes(named_buffers, device_ids=self.input_device, output_device=output_device, dim=dim,
                                   forward_sync_buffers=forward_sync_buffers, batched_grad_copy=batched_grad_copy,
                                   device_mesh=device_mesh)
         named = [(n, p) for n, p in all_named if p.requires_grad]
-        self._verify_across_ranks(named)
+        settings = [f"bucket_cap_mb={bucket_cap_mb}", f"find_unused_parameters={find_unused_parameters}",
+                    f"gradient_as_bucket_view={gradient_as_bucket_view}",
+                    f"transport={None if transport is None else type(transport).__name__}"]
+        check_same_model(named, list(named_buffers.items()), settings, self.process_group)  # ranks meet here
         if not named:
             raise RuntimeError("minidp.DDP: the module has no parameter that requires a gradient; "
                                "there is nothing to average (DDP is not needed)")
         if init_sync:
             states = [p for _, p in all_named]
-            if broadcast_buffers or forward_sync_buffers is not None:  # with forward_sync_buffers: always
-                states += list(named_buffers.values())
+            states += list(named_buffers.values()) if sync_buffers_at_init else []
             broadcast_coalesced(states, self.process_group)  # ranks meet here: rank 0's weights win
         self._build_reducer(named)
         # The module; compiled, in bucket-sized pieces (cut at the default caps while "auto" is undecided).
         self._run_module = ModuleRunner(module, None if bucket_cap_mb == "auto" else bucket_cap_mb)
 
-    def _build_reducer(self, named: list | None = None) -> None:
-        """The reducer on this rank's parameters (at construction, and again after unpickling: compat.py)."""
-        if named is None:
-            named = [(n, p) for n, p in self.module.named_parameters()
-                     if p.requires_grad and n not in self.parameters_to_ignore]
+    def _build_reducer(self, named: list) -> None:
+        """The reducer on this rank's (name, parameter) pairs: at construction, and after unpickling (compat.py)."""
         params, names = [p for _, p in named], [n for n, _ in named]
-        sparse = sparse_gradient_flags(self.module, params)
-        check_sparse(params, names, sparse, dist.get_backend(self.process_group), self.transport)
+        sparse = sparse_gradient_flags(self.module, params, names, self.process_group, self.transport)
         self.reducer = Reducer(
             params, names, sparse, process_group=self.process_group, bucket_cap_mb=self.bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters, gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph, debug=self.debug, transport=self.transport)
-
-    def _verify_across_ranks(self, named) -> None:
-        """Every rank must wrap the same parameters (and settings); say where they differ."""
-        records = [("parameter", n, tuple(p.shape), str(p.dtype)) for n, p in named]
-        records += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in self.module.named_buffers()
-                    if n not in self.parameters_to_ignore]
-        records.append(("settings", f"bucket_cap_mb={self.bucket_cap_mb}",
-                        f"find_unused_parameters={self.find_unused_parameters}",
-                        f"gradient_as_bucket_view={self.gradient_as_bucket_view}",
-                        f"transport={type(self.transport).__name__ if self.transport is not None else None}"))
-        # Ranks meet here. A differing setting (e.g. bucket_cap_mb) would give different buckets
-        # from iteration 2 on, and sums of unrelated gradients: refuse before iteration 1.
-        device = next((p.device for _, p in named), None)  # under NCCL the check runs on the module's GPU
-        check_same_across_ranks("parameter/buffer/setting", records, self.process_group, device=device)
 
     def forward(self, *inputs, **kwargs):
         """Three steps: the collectives before the module, the module, then arm the reducer for backward."""
@@ -154,26 +120,17 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
     def _pre_forward(self, syncing: bool):
         """Every collective that comes before the module, in DDP's order; returns join()'s divisor or None."""
         close_failed_step(self.reducer)  # ranks meet here only if this rank's last backward raised (recovery.py)
-        count_work = Join.notify_join_context(self)  # ranks meet here under join(): who still trains?
-        # After the join notice, where a joined rank's main_hook meets it. Under join() on every
-        # forward: a joined rank cannot know whether this one syncs.
-        if syncing or self._join_config.enable:
+        divisor = self.join_notice()  # ranks meet here under join() (join.py): who still trains?
+        if syncing or self._join_config.enable:  # under join() every forward: joined ranks cannot know
             debug_mode.check_step(self.reducer, debug_mode.FORWARD)  # ranks meet here in debug mode only
         self._sync_before_module(joined=False)
-        if self._join_config.enable:
-            vote_to_sync(self)  # ranks meet here: "do we sync gradients this iteration?"
-        if count_work is not None and not self.divide_by_initial_world_size:
-            return CountedDivisor(count_work)  # join(): divide by the ranks still training
-        return None
+        self.join_vote()  # ranks meet here under join(): "do we sync gradients this iteration?"
+        return divisor
 
     def _sync_before_module(self, joined: bool) -> None:
-        """The rebuild and the buffers: the collectives a rank that has joined shadows too (join.py).
-
-        Args:
-            joined: True on a rank whose data has run out (called from join.DDPJoinHook.main_hook).
-        """
+        """The rebuild and the buffers: collectives that a rank whose data ran out (`joined`) shadows too."""
         if joined or torch.is_grad_enabled():
-            self.reducer.maybe_rebuild()  # ranks meet here, once, after the first synced iteration
+            self.reducer.layout.maybe_replan(self.reducer.completed)  # ranks meet here, once, after the first step
         if self.require_forward_param_sync and self.broadcast_buffers and self.has_buffers:
             self.sync_buffers(joined)  # ranks meet here
 
@@ -189,10 +146,7 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally; the first synced backward after it averages the sum.
-
-        Run the forward inside the context too, as with torch DDP.
-        """
+        """Accumulate gradients locally (forward and backward inside); the next synced backward averages the sum."""
         old = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -201,17 +155,19 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
             self.require_backward_grad_sync = old
 
     def register_comm_hook(self, state, hook: Callable) -> None:
-        """Replace the all-reduce of each bucket by `hook(state, bucket) -> Future[Tensor]` (hooks.py).
+        """Replace the all-reduce of each bucket by `hook(state, bucket) -> Future[Tensor]`, once, before training.
 
-        DDP's contract: the hook averages (gradients arrive unscaled), and the future's value is the
-        reduced buffer. Register it once, before training.
-
-        Args:
-            state: passed to every call of the hook (e.g. a process group, a compressor's state).
-            hook: `hook(state, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]`.
+        DDP's contract (hooks.py): the hook gets the plain sum of this rank's gradients and averages;
+        its future's value is the reduced buffer. `state` is passed to every call.
         """
         check_comm_hook(hook)  # TypeError / ValueError, as torch DDP's _check_comm_hook
-        self.reducer.register_comm_hook(state, hook)  # RuntimeError if one is registered already
+        if self.reducer.comm_hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once. minidp: "
+                               f"a communication hook is registered already ({hook_name(self.reducer.comm_hook)})")
+        self.reducer.comm_hook, self.reducer.comm_state = hook, state
+        if not self.reducer.layout.allocate:  # world size 1: now there are buckets; the hook sees them all (DDP)
+            self.reducer.layout.allocate = True
+            self.reducer.layout.adopt(self.reducer.layout.plan)
         self._comm_hook = (state, hook)  # re-registered when a pickled copy is loaded (compat.py)
 
 

@@ -1,8 +1,9 @@
-"""torch DDP's checks of a comm hook at registration (`_check_comm_hook`), its words first.
+"""torch DDP's checks of a comm hook (hooks.py): at registration, and of what it returns in backward.
 
-A feature beside the hook contract (hooks.py): a hook that is not callable is a TypeError, a
-`bucket` or return annotation other than GradBucket / Future a ValueError, each message starting
-with torch DDP's own sentence (torch's own tests match on it). minidp is a little more lenient than
+At registration (`_check_comm_hook`), a hook that is not callable is a TypeError, a `bucket` or return
+annotation other than GradBucket / Future a ValueError; in backward, a hook that returns no Future, or
+a Future whose value is not the bucket's gradients, a RuntimeError. Each message starts with torch
+DDP's own sentence (torch's own tests match on it), then names the hook. minidp is a little more lenient than
 torch: the bucket parameter need not be named `bucket`, annotations may be strings
 (`from __future__ import annotations`), and a bare `Future` return annotation is accepted.
 """
@@ -14,7 +15,12 @@ import typing
 import torch
 import torch.distributed as dist
 
-from .hooks import GradBucket, hook_name
+from .hooks import GradBucket
+
+
+def hook_name(hook) -> str:
+    """How errors name a hook: its qualified name, else its repr (e.g. a functools.partial)."""
+    return getattr(hook, "__qualname__", None) or repr(hook)
 
 
 def check_comm_hook(hook) -> None:
@@ -59,3 +65,41 @@ def _names_type(annotation, types: tuple, name: str) -> bool:
     if annotation is inspect.Parameter.empty or annotation in types:
         return True
     return isinstance(annotation, str) and annotation.split("[")[0].strip().split(".")[-1] == name
+
+
+def call_comm_hook(hook, state, bucket: GradBucket) -> torch.futures.Future:
+    """Run `hook(state, bucket)` and check that it returned a Future (torch's RuntimeError, its words first)."""
+    future = hook(state, bucket)
+    if not isinstance(future, torch._C.Future):
+        raise RuntimeError(f"callback must return a torch.futures.Future object, but got {type(future).__name__}: "
+                           f"communication hook {hook_name(hook)} returned {_short(future)}")
+    return future
+
+
+def bucket_result(value, buffer: torch.Tensor, hook) -> torch.Tensor:
+    """The reduced buffer from a hook future's value: a tensor (or [tensor]) with the buffer's numel.
+
+    Like torch DDP, a value of another dtype or device is copied over; any other value is a
+    RuntimeError naming the hook (torch silently reads a prefix of a larger tensor; minidp refuses).
+
+    Args:
+        value: what the future returned by the hook resolved to.
+        buffer: the bucket's flat buffer.
+        hook: the hook, for the error message.
+    """
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, torch.Tensor) or value.numel() != buffer.numel():
+        expected = f"a tensor of {buffer.numel()} elements (the bucket's buffer)"
+        got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else \
+            f"{type(value).__name__}: {_short(value)}"
+        raise RuntimeError(f"communication hook {hook_name(hook)}: its future's value must be {expected}, "
+                           f"got {got}")
+    if value.dtype != buffer.dtype or value.device != buffer.device:
+        value = value.to(device=buffer.device, dtype=buffer.dtype)
+    return value if value.dim() == 1 else value.reshape(-1)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

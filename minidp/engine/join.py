@@ -145,6 +145,18 @@ class JoinableDDP(Joinable):
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
+    def join_notice(self) -> CountedDivisor | None:
+        """Before a forward under join(): tell the joined ranks (ranks meet here); the divisor, if join() sets one."""
+        count_work = Join.notify_join_context(self)  # None outside join()
+        if count_work is not None and not self.divide_by_initial_world_size:
+            return CountedDivisor(count_work)  # divide by the ranks still training
+        return None
+
+    def join_vote(self) -> None:
+        """Under join(), after the buffers: vote whether this iteration syncs (joined ranks learn it)."""
+        if self._join_config.enable:
+            vote_to_sync(self)  # ranks meet here
+
     def join_hook(self, **kwargs) -> DDPJoinHook:
         """Called by Join on entering the context: the one place the join settings are set."""
         self.divide_by_initial_world_size = check_bool(

@@ -1,12 +1,9 @@
 """The buckets over training: which bucket and slot each gradient goes to, and when that changes.
 
-torch DDP's layout changes at most once, and minidp's at the same point:
-  * at construction: planning.plan_initial (one bucket for the first iteration, unless
-    find_unused_parameters);
-  * once, after the first synced iteration (torch's `needs_rebuild`): re-planned in the order the
-    gradients became ready, rank 0's order broadcast so that every rank builds the same buckets.
-(With bucket_cap_mb="auto" the first iterations also try other caps: autocap.py.)
-At world size 1 on the default path there are no buffers (`allocate=False`): only the plan is kept.
+As in torch DDP: planned at construction (one bucket for the first iteration, unless
+find_unused_parameters), then rebuilt once after the first synced iteration, in the order gradients
+became ready, rank 0's order broadcast so every rank builds the same buckets. (bucket_cap_mb="auto"
+tries other caps in the first iterations: autocap.py.)
 """
 from __future__ import annotations
 
@@ -16,6 +13,7 @@ import torch.distributed as dist
 from . import planning
 from .buckets import Bucket
 from .collectives import global_rank
+from .grad_views import ViewBucket
 from .sparse import SparseBucket
 
 SMALL_GRAD_NUMEL = 65536  # a dense gradient below this waits and is copied at launch, in one batch
@@ -25,12 +23,11 @@ class BucketLayout:
     """The reducer's current buckets, and the one rebuild that replaces them.
 
     Args:
-        params, names: the reducer's parameters and their names.
-        sparse: by parameter, whether its gradient is sparse (a bucket of its own).
+        params, names, sparse: the reducer's parameters, names, and whether each gradient is sparse.
         bucket_cap_mb: the wrapper's cap in MiB, None (DDP's default) or "auto".
         needs_rebuild: torch's `static_graph or not find_unused_parameters`: rebuild once, in ready order.
         process_group: the group whose rank 0's order is adopted (None: the world).
-        allocate: build the buffers (False: world size 1 on the default path, the plan alone).
+        allocate: build buffers (False at world size 1 on the default path: the plan alone).
         as_view: gradient_as_bucket_view (gradients then never wait to be copied at launch).
     """
 
@@ -54,23 +51,14 @@ class BucketLayout:
     def adopt(self, plan: list[list[int]]) -> None:
         """Make `plan` (parameter indices per bucket, in launch order) the layout, with fresh buffers."""
         self.plan = [list(indices) for indices in plan]
-        kinds = [SparseBucket if self.sparse[indices[0]] else Bucket for indices in plan]
-        self.buckets = [kind(b, indices, self.params) for b, (kind, indices) in enumerate(zip(kinds, plan))] \
-            if self.allocate else []
+        dense = ViewBucket if self.as_view else Bucket  # the bucket kinds: grad_views.py, sparse.py
+        kinds = [SparseBucket if self.sparse[indices[0]] else dense for indices in plan]
+        self.buckets = [kind(b, ids, self.params) for b, (kind, ids) in enumerate(zip(kinds, plan))] * self.allocate
         n = len(self.params)
         self.bucket_of, self.slot_of = [None] * n, [0] * n  # bucket_of None: reduced locally
         for bucket in self.buckets:
             for slot, i in enumerate(bucket.param_indices):
                 self.bucket_of[i], self.slot_of[i] = bucket, slot
-                grad = self.params[i].grad
-                if self.as_view and grad is not None and not bucket.sparse:
-                    bucket.views[slot].copy_(grad)  # adopt the existing gradient, as DDP does
-                    self.params[i].grad = bucket.views[slot]
-
-    def allocate_buffers(self) -> None:
-        """From now on with buffers (a comm hook registered at world size 1 sees every bucket, as in DDP)."""
-        self.allocate = True
-        self.adopt(self.plan)
 
     def note_ready_order(self, order) -> None:
         """The order gradients became ready in a step that succeeded on every rank (kept if a rebuild waits)."""
@@ -94,16 +82,8 @@ class BucketLayout:
             if self.world_size > 1:  # ranks meet here: all adopt rank 0's order, so their layouts agree
                 dist.broadcast(order, src=global_rank(self.process_group, 0), group=self.process_group)
             self.rebuilt_order, self.rebuild_pending, self.ready_order = order.tolist(), False, None
-            self.adopt(self.plan_for(self.cap))
+            limits = planning.bucket_limits(self.cap, first_iteration=False, needs_rebuild=True)
+            self.adopt(planning.plan_rebuilt(*self._sizes_and_keys(), limits, self.rebuilt_order, self.sparse))
         if self.tuner is not None and not self.rebuild_pending:
             self.tuner.retune(self, completed)  # bucket_cap_mb="auto": ranks meet there when it decides
         return rebuilt
-
-    def plan_for(self, bucket_cap_mb) -> list[list[int]]:
-        """The layout torch DDP would use with `bucket_cap_mb` from now on (after its first iteration)."""
-        sizes, keys = self._sizes_and_keys()
-        if self.needs_rebuild:
-            limits = planning.bucket_limits(bucket_cap_mb, first_iteration=False, needs_rebuild=True)
-            return planning.plan_rebuilt(sizes, keys, limits, self.rebuilt_order, self.sparse)
-        limits = planning.bucket_limits(bucket_cap_mb, first_iteration=True, needs_rebuild=False)
-        return planning.plan_initial(sizes, keys, limits, self.sparse)

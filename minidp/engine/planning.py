@@ -1,23 +1,14 @@
 """DDP's bucket layout rules: which parameters share one flat all-reduce buffer. No process group, no tensor.
 
-The rules reproduce torch DDP's, so that a bucket holds the same gradients at the same offsets as
-DDP's does (that is what bitwise equality at 3+ ranks needs, since gloo's ring sums an element in
-an order that depends on where it sits in the buffer):
-
-  * walk the parameters in the given order; group them by (dtype, device); each group fills a
-    bucket until its byte size reaches the current limit (>=, so a bucket may pass the limit by
-    one tensor), then starts a new one and moves on to the next limit of the list (staying on the
-    last limit);
-  * a parameter with a sparse gradient gets a bucket of its own, added when it is walked (sparse
-    tensors cannot share a flat buffer); it takes no part in the size limits;
-  * leftover partial buckets are added at the end;
-  * at construction the order is registration order, the buckets are sorted by their smallest
-    index and the list is reversed (the last-defined parameters' gradients arrive first); inside a
-    bucket the parameters stay in registration order;
-  * after the first iteration the order is the order gradients became ready, and nothing is
-    sorted or reversed.
-
-With bucket_cap_mb="auto", autocap.py picks the cap; the buffers a plan becomes are in buckets.py.
+The rules reproduce torch DDP's (`compute_bucket_assignment_by_size`), so that a bucket holds the
+same gradients at the same offsets as DDP's: bitwise equality at 3+ ranks needs it, since gloo's
+ring sums an element in an order that depends on where it sits in the buffer.
+  * walk the parameters in order, grouped by (dtype, device); each group fills a bucket until its
+    bytes reach the current limit (>=: a bucket may pass it by one tensor), then moves on to the
+    next limit of the list (staying on the last); a sparse gradient gets a bucket of its own;
+  * at construction: registration order, buckets sorted by their smallest index, then reversed
+    (the last-defined parameters' gradients arrive first);
+  * after the first iteration: the order in which gradients became ready; nothing sorted or reversed.
 """
 from __future__ import annotations
 
@@ -35,11 +26,9 @@ def bucket_limits(bucket_cap_mb: float | None, first_iteration: bool, needs_rebu
     """The list of byte limits DDP walks for one plan.
 
     Args:
-        bucket_cap_mb: the user's cap in MiB; None means DDP's default (25 MiB, with a 1 MiB
-            first bucket).
+        bucket_cap_mb: the user's cap in MiB; None: DDP's default (25 MiB, with a 1 MiB first bucket).
         first_iteration: True for the plan made at construction, False for the rebuilt one.
-        needs_rebuild: torch's `static_graph or not find_unused_parameters`: the buckets are
-            rebuilt in gradient-ready order after the first iteration.
+        needs_rebuild: torch's `static_graph or not find_unused_parameters` (rebuilt in ready order).
     """
     cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MIB)
     first_cap = DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
@@ -54,14 +43,10 @@ def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], limits: Seque
     """Cut tensors into buckets by byte size; DDP's compute_bucket_assignment_by_size.
 
     Args:
-        sizes: byte size of each tensor (numel * element_size), by tensor index.
-        keys: a group key per tensor index, e.g. (dtype, device); groups never share a bucket.
-        limits: byte limits, used in turn per group; the last one repeats.
-        order: tensor indices in the order to walk them. Default: 0, 1, 2, ... in which case the
-            buckets are sorted by their smallest index, as DDP does.
-        sparse: by tensor index, whether its gradient is sparse (each gets a bucket of its own).
-            Default: none.
-
+        sizes: byte size of each tensor (numel * element_size). keys: a group key per tensor, e.g.
+            (dtype, device); groups never share a bucket. limits: byte limits, used in turn per group.
+        order: tensor indices in walking order. Default: 0, 1, 2, ... and the buckets sorted, as DDP's.
+        sparse: by tensor, whether its gradient is sparse (a bucket of its own). Default: none is.
     Returns:
         A list of buckets, each a list of tensor indices in the order walked.
     """

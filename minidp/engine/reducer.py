@@ -1,19 +1,11 @@
 """The gradient reducer: one hook per parameter, buckets launched in order as they fill, a finalize.
 
-One synced step, as the code runs it:
-  1. `prepare_for_backward()` (the wrapper calls it after a forward that syncs) arms a fresh `Step`,
-     the step's whole state.
-  2. Backward accumulates each parameter's gradient, then runs its hook (`grad_ready`): the gradient
-     is copied into its bucket (multiplied by 1/world_size on the default path) and the bucket is
-     counted down. The first hook queues `finalize` on the autograd engine.
-  3. A bucket that is complete *and next in order* is launched: an async all-reduce through the comm
-     hook. Launching strictly in bucket order keeps every rank issuing the same collectives in the
-     same order, whatever order their gradients arrive in.
-  4. `finalize` runs when backward ends: it waits for every bucket, exchanges the step's status (did
-     every rank's backward succeed?) and writes the averaged gradients back into `.grad`.
-What a mode changes (find_unused_parameters, static_graph) is the readiness policy's (readiness.py):
-when a parameter is ready, and what happens to those that got no gradient. World size 1 on the
-default path has no buckets at all: averaging over one rank is the identity.
+One synced step: `prepare_for_backward` arms a fresh `Step` (the step's whole state); each gradient's
+hook copies it into its bucket, and a bucket that is complete *and next in order* is launched as an
+async all-reduce (launching strictly in bucket order keeps every rank issuing the same collectives in
+the same order); when backward ends, `finalize` waits, checks that every rank succeeded and writes
+the averages back. A mode changes only the readiness policy (readiness.py); at world size 1 on the
+default path there are no buckets (the average over one rank is the gradient itself).
 """
 from __future__ import annotations
 
@@ -26,7 +18,8 @@ from torch.autograd import Variable
 from . import debug as debug_mode
 from . import recovery
 from .buckets import Divisor
-from .hooks import GradBucket, allreduce_sum_hook, bucket_result, call_comm_hook, hook_name
+from .hook_checks import bucket_result, call_comm_hook
+from .hooks import GradBucket, allreduce_sum_hook
 from .layout import BucketLayout
 from .readiness import policy_for
 from .sparse import mismatch_message
@@ -34,15 +27,10 @@ from .timeline import OFF
 
 
 class Step:
-    """One synced step's state: made when the step is armed, dropped when it ends.
-
-    Args:
-        buckets: the layout's buckets. n_params: how many parameters the reducer has.
-        divisor: what gradients are divided by while copied in (None: a comm hook averages).
-    """
+    """One synced step's state: made when the step is armed, dropped when it ends."""
 
     def __init__(self, buckets: list, n_params: int, divisor: Divisor | None):
-        self.divisor = divisor
+        self.divisor = divisor  # what gradients are divided by while copied in (None: a comm hook averages)
         self.pending = [len(b.param_indices) for b in buckets]  # gradients still to come, by bucket
         self.waiting = [[] for _ in buckets]  # by bucket: (slot, grad) of small gradients, copied at launch
         self.futures = []                     # by launched bucket, in order
@@ -55,11 +43,8 @@ class Reducer:
     """Averages gradients over `process_group` during backward, bucket by bucket.
 
     Args:
-        params, names: the parameters to reduce (unique, requires_grad) and their names.
-        sparse: by parameter, whether its gradient is sparse (sparse.sparse_gradient_flags).
-        The rest as the wrapper's keywords: process_group (None: the world), bucket_cap_mb,
-        find_unused_parameters, gradient_as_bucket_view, static_graph, debug, and transport (a
-        minidp.comm transport for the default all-reduce; None: process_group).
+        params, names, sparse: the parameters to reduce, their names, whether each gradient is sparse.
+        The rest: the wrapper's keywords (process_group None is the world; transport None: the group).
     """
 
     def __init__(self, params, names, sparse, *, process_group, bucket_cap_mb, find_unused_parameters,
@@ -67,7 +52,6 @@ class Reducer:
         self.params, self.names, self.process_group = list(params), list(names), process_group
         self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self.device, self.transport, self.debug = self.params[0].device, transport, debug
-        self.gradient_as_bucket_view = gradient_as_bucket_view
         self.readiness = policy_for(find_unused_parameters, static_graph, self.names)
         self.world_divisor = Divisor(self.world_size)
         self.comm_hook, self.comm_state = None, None  # None: the default path (allreduce_sum_hook)
@@ -78,35 +62,12 @@ class Reducer:
         self.layout = BucketLayout(self.params, self.names, sparse, bucket_cap_mb=bucket_cap_mb,
                                    needs_rebuild=static_graph or not find_unused_parameters,
                                    process_group=process_group, as_view=gradient_as_bucket_view,
-                                   allocate=world_size_needs_buckets(self.world_size, transport))
+                                   allocate=self.world_size > 1 or transport is not None)  # world size 1: none
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self.grad_ready, i))
 
-    def register_comm_hook(self, state, hook) -> None:
-        """Reduce each bucket with `hook(state, bucket)`, which gets the gradients unscaled (DDP's contract)."""
-        if self.comm_hook is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once. "
-                               f"minidp: a communication hook is registered already ({hook_name(self.comm_hook)})")
-        self.comm_hook, self.comm_state = hook, state
-        if not self.layout.allocate:  # world size 1: now there are buckets, and the hook sees every one (DDP)
-            self.layout.allocate_buffers()
-
-    @property
-    def buckets(self) -> list:
-        """The current buckets, in launch order (none when gradients are reduced locally)."""
-        return self.layout.buckets
-
-    def maybe_rebuild(self) -> bool:
-        """Before a forward: rebuild the buckets after the first synced step (layout.py)."""
-        return self.layout.maybe_replan(self.completed)  # ranks meet here when it rebuilds
-
     def prepare_for_backward(self, divisor: Divisor | None = None) -> None:
-        """Arm the hooks for the next backward (after a forward that syncs).
-
-        Args:
-            divisor: what the default path divides by. Default None: the world size (join.py passes
-                its count of ranks still training).
-        """
+        """Arm the hooks for the next backward (after a forward that syncs); `divisor` None: the world size."""
         self.iteration += 1
         divisor = None if self.comm_hook is not None else divisor or self.world_divisor
         self.step = Step(self.layout.buckets, len(self.params), divisor)
@@ -143,7 +104,7 @@ class Reducer:
         if self.layout.copy_later[index]:
             step.waiting[bucket.index].append((slot, grad))
         else:
-            bucket.copy_in(slot, param, grad, step.divisor, self.gradient_as_bucket_view)
+            bucket.copy_in(slot, param, grad, step.divisor)
         step.pending[bucket.index] -= 1
         if step.pending[bucket.index] == 0:
             self.launch_ready_buckets(step)
@@ -189,25 +150,19 @@ class Reducer:
         unused, order = self.readiness.after_step(step, used)
         self.layout.note_ready_order(order)
         for bucket, result in zip(self.layout.buckets, results):
-            bucket.write_back(result, self.params, self.gradient_as_bucket_view, unused)
+            bucket.write_back(result, self.params, unused)
         self.recorder.event("finalize_end")
 
     def end_step(self, step: Step, failed: bool):
-        """Wait for every bucket and exchange the step's status (ranks meet here); the step is closed.
-
-        The status all-reduce says which ranks' backward failed (recovery.py) and, where the mode counts
-        use, how many ranks used each parameter. On the default path it starts right behind the last
-        bucket; a registered hook may issue collectives from its futures' callbacks (PowerSGD does),
-        so then it starts only once every bucket is done, else ranks could order the two differently.
+        """Wait for every bucket and exchange the step's status (recovery.py); the step is closed.
 
         Returns:
             (reduced buffers by bucket, failed group ranks, per-parameter use counts or None)
         """
-        if len(step.futures) != len(self.layout.buckets):  # a broken invariant must not pass silently
-            raise RuntimeError(f"minidp: internal error: {len(step.futures)} of {len(self.layout.buckets)} "
-                               "buckets were launched at the end of the step")
+        # The status starts behind the last bucket; with a hook, once every bucket is done: a hook may
+        # issue collectives from its futures' callbacks (PowerSGD does), and ranks must order them alike.
         status = recovery.start_status(self, step, failed) if self.comm_hook is None else None
-        results = [self._wait(bucket, future) for bucket, future in zip(self.layout.buckets, step.futures)]
+        results = [self._wait(b, future) for b, future in zip(self.layout.buckets, step.futures, strict=True)]
         failed_ranks, used = recovery.read_status(self, *(status or recovery.start_status(self, step, failed)))
         self.open_step = None
         self.completed += not failed_ranks  # the same count on every rank
@@ -223,8 +178,3 @@ class Reducer:
             return value[0] if isinstance(value, list) else value  # a collective's future holds [tensor]
         return bucket_result(value, bucket.buffer, self.comm_hook)
 
-
-def world_size_needs_buckets(world_size: int, transport) -> bool:
-    """Whether gradients go through buckets: not at world size 1 on the default path, where the
-    average is the gradient itself (a comm hook registered later brings them back)."""
-    return world_size > 1 or transport is not None

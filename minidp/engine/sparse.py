@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 
 class SparseBucket:
@@ -26,7 +27,7 @@ class SparseBucket:
         self.like = params[param_indices[0]]
         self.buffer = no_sparse_gradient(self.like)
 
-    def copy_in(self, slot, param, grad, divisor, as_view) -> None:
+    def copy_in(self, slot, param, grad, divisor) -> None:
         """The gradient becomes the buffer: divided in place on the default path (as DDP), reduced, copied back."""
         self.buffer = grad if divisor is None else grad.div_(divisor.value)
 
@@ -36,7 +37,7 @@ class SparseBucket:
     def zeros(self) -> torch.Tensor:
         return no_sparse_gradient(self.like)
 
-    def write_back(self, result: torch.Tensor, params: list, as_view: bool, unused: set) -> None:
+    def write_back(self, result: torch.Tensor, params: list, unused: set) -> None:
         """As DDP: the reduced values go into the gradient tensor itself (a new one if this rank had none)."""
         index = self.param_indices[0]
         param = params[index]
@@ -56,9 +57,12 @@ def no_sparse_gradient(like: torch.Tensor) -> torch.Tensor:
                                    like.shape)
 
 
-def sparse_gradient_flags(module: torch.nn.Module, params: list) -> list[bool]:
-    """By parameter, whether its gradient will be sparse; DDP's rule: its module is an nn.Embedding or
-    nn.EmbeddingBag with sparse=True (for a shared parameter, the first module that has it)."""
+def sparse_gradient_flags(module: torch.nn.Module, params: list, names: list, group, transport) -> list[bool]:
+    """By parameter, whether its gradient will be sparse, refused where nothing can reduce it (check_sparse).
+
+    DDP's rule: its module is an nn.Embedding or nn.EmbeddingBag with sparse=True (for a shared
+    parameter, the first module that has it).
+    """
     kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
     if not any(isinstance(sub, kinds) and sub.sparse for sub in module.modules()):
         return [False] * len(params)  # the common case: no sparse embedding at all
@@ -66,7 +70,9 @@ def sparse_gradient_flags(module: torch.nn.Module, params: list) -> list[bool]:
     for sub in module.modules():
         for p in sub.parameters(recurse=False):
             sparse_owner.setdefault(p, isinstance(sub, kinds) and sub.sparse)
-    return [sparse_owner.get(p, False) for p in params]
+    flags = [sparse_owner.get(p, False) for p in params]
+    check_sparse(params, names, flags, dist.get_backend(group), transport)
+    return flags
 
 
 def check_sparse(params: list, names: list, sparse: Sequence[bool], backend: str, transport) -> None:

@@ -1,0 +1,43 @@
+"""gradient_as_bucket_view=True: each `.grad` is its parameter's view of the bucket; a bucket kind.
+
+What it changes in the core: nothing but the bucket. torch DDP's option saves the memory of a second
+copy of the gradients and the copy back after the all-reduce: the first copy into the bucket makes
+`.grad` the bucket's view, so from the next iteration on autograd accumulates into the bucket itself;
+the copy-in then only divides in place (as DDP does: `div_`, not a multiply by the reciprocal), and
+the reduced buffer already is the gradients. `ViewBucket` answers the same calls as buckets.Bucket.
+"""
+from __future__ import annotations
+
+import torch
+
+from .buckets import Bucket, Divisor, flat_view
+
+
+class ViewBucket(Bucket):
+    """A bucket whose views are the parameters' `.grad` (Args as buckets.Bucket's)."""
+
+    def __init__(self, index: int, param_indices: list[int], params: list):
+        super().__init__(index, param_indices, params)
+        for slot, i in enumerate(self.param_indices):  # a new layout adopts the existing gradients, as DDP's
+            if params[i].grad is not None:
+                self.views[slot].copy_(params[i].grad)
+                params[i].grad = self.views[slot]
+
+    def copy_in(self, slot: int, param, grad: torch.Tensor, divisor: Divisor | None) -> None:
+        view = self.views[slot]
+        if grad.data_ptr() == view.data_ptr():  # already in the bucket: as DDP, divided in place
+            if divisor is not None:
+                view.div_(divisor.value)
+            return
+        super().copy_in(slot, param, grad, divisor)
+        param.grad = view  # from now on the gradient lives in the bucket
+
+    def write_back(self, result: torch.Tensor, params: list, unused: set) -> None:
+        for slot, i in enumerate(self.param_indices):
+            if i in unused:
+                continue
+            view = self.views[slot]
+            if result is not self.buffer:  # a comm hook's result in another tensor
+                view.copy_(flat_view(result, self.offsets[slot], params[i]))
+            if params[i].grad is None or params[i].grad.data_ptr() != view.data_ptr():
+                params[i].grad = view
