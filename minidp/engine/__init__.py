@@ -15,6 +15,7 @@ Second read, one file per mode or feature, each saying what it changes in the co
   recovery.py     a backward that raised on one rank: the step closed on every rank, the status exchange
   join.py         uneven inputs on torch's Join protocol, and join()'s divisor
   sparse.py       sparse gradients as a bucket kind
+  grad_views.py   gradient_as_bucket_view=True as a bucket kind
   autocap.py      bucket_cap_mb="auto": time a few caps, keep rank 0's fastest
   debug.py        debug mode: per-step fingerprints of what each rank reduces
   timeline.py     the event recorder behind model.enable_timeline() (does nothing when off)

@@ -52,8 +52,8 @@ class BucketLayout:
         """Make `plan` (parameter indices per bucket, in launch order) the layout, with fresh buffers."""
         self.plan = [list(indices) for indices in plan]
         dense = ViewBucket if self.as_view else Bucket  # the bucket kinds: grad_views.py, sparse.py
-        kinds = [SparseBucket if self.sparse[indices[0]] else dense for indices in plan]
-        self.buckets = [kind(b, ids, self.params) for b, (kind, ids) in enumerate(zip(kinds, plan))] * self.allocate
+        kinds = [SparseBucket if self.sparse[ids[0]] else dense for ids in plan] if self.allocate else []
+        self.buckets = [kind(b, ids, self.params) for b, (kind, ids) in enumerate(zip(kinds, plan))]
         n = len(self.params)
         self.bucket_of, self.slot_of = [None] * n, [0] * n  # bucket_of None: reduced locally
         for bucket in self.buckets:
