@@ -6,23 +6,28 @@ The three sources, highest priority first:
      LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT;
   3. SLURM's: SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_NTASKS_PER_NODE, SLURM_NODEID.
 With none of them, the process is a world of one.
+
+Which backend and collective timeout init() picks is backend.py; the store the ranks meet through
+is rendezvous.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import os
-import socket
 from typing import Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed import constants
 
-from .validate import check_int, check_number
+from .backend import BACKEND_VARIABLE, KNOWN_BACKENDS, as_timedelta, check_nccl, choose_backend, default_backend
+from .rendezvous import agent_store_serves, rendezvous_store
+from .validate import check_int
 
-KNOWN_BACKENDS = {"gloo", "nccl", "mpi", "ucc"}
-BACKEND_VARIABLE = "MINIDP_BACKEND"  # e.g. MINIDP_BACKEND=gloo: a test suite or CPU job on a GPU machine
+# Their names before backend.py and rendezvous.py were split out of this module (tests import them).
+_as_timedelta, _agent_store_serves = as_timedelta, agent_store_serves
+__all__ = ["BACKEND_VARIABLE", "KNOWN_BACKENDS", "DistEnv", "choose_backend", "default_backend", "init",
+           "resolve_env", "shutdown"]
 
 # (name in DistEnv, torchrun variable, SLURM variable)
 _SOURCES = (
@@ -94,6 +99,16 @@ def resolve_env(environ: Optional[Mapping[str, str]] = None, **explicit) -> Dist
     node_rank = values.get("node_rank", rank // max(local_world_size, 1))
     _check_ranks(rank, world_size, local_rank, local_world_size, node_rank)
 
+    master_addr, master_port = _master_address(environ, explicit, use_slurm, world_size, local_world_size)
+    return DistEnv(rank, local_rank, world_size, node_rank, local_world_size, master_addr, master_port)
+
+
+def _master_address(environ, explicit, use_slurm: bool, world_size: int, local_world_size: int):
+    """(master_addr, master_port) for resolve_env: explicit, else MASTER_ADDR/MASTER_PORT, else defaults.
+
+    A single node defaults to 127.0.0.1; several nodes need the address. Under SLURM without
+    MASTER_PORT the port is derived from the job id; a world of one needs no port (0).
+    """
     nnodes = -(-world_size // local_world_size)
     master_addr = explicit.get("master_addr") or environ.get("MASTER_ADDR")
     if not master_addr:
@@ -110,7 +125,7 @@ def resolve_env(environ: Optional[Mapping[str, str]] = None, **explicit) -> Dist
     master_port = _as_int(port, "master_port", "MASTER_PORT") if port is not None else 0
     if world_size > 1 and not 0 < master_port < 65536:
         raise ValueError(f"master_port={port!r} with world_size={world_size}: set MASTER_PORT to a free port")
-    return DistEnv(rank, local_rank, world_size, node_rank, local_world_size, master_addr, master_port)
+    return master_addr, master_port
 
 
 def _check_ranks(rank, world_size, local_rank, local_world_size, node_rank) -> None:
@@ -124,65 +139,6 @@ def _check_ranks(rank, world_size, local_rank, local_world_size, node_rank) -> N
         raise ValueError(f"LOCAL_RANK={local_rank} must be in [0, LOCAL_WORLD_SIZE={local_world_size})")
     if node_rank < 0:
         raise ValueError(f"node_rank={node_rank} must be >= 0")
-
-
-def default_backend() -> str:
-    """NCCL when CUDA is usable, else gloo. (is_nccl_available() is True even without a GPU.)"""
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def choose_backend(backend: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> str:
-    """The backend init() uses: `backend` if given, else $MINIDP_BACKEND if set, else default_backend().
-
-    Args:
-        backend: "nccl", "gloo", "mpi" or "ucc" (any case). Default None.
-        environ: where to read MINIDP_BACKEND. Default None: os.environ.
-    """
-    environ = os.environ if environ is None else environ
-    if backend is not None:
-        name, value = "backend", backend
-    elif environ.get(BACKEND_VARIABLE):
-        name, value = BACKEND_VARIABLE, environ[BACKEND_VARIABLE]
-    else:
-        return default_backend()
-    if not isinstance(value, str):
-        raise TypeError(f"{name}={value!r} must be a str, one of {sorted(KNOWN_BACKENDS)}")
-    if value.lower() not in KNOWN_BACKENDS:
-        raise ValueError(f"{name}={value!r} must be one of {sorted(KNOWN_BACKENDS)} (or unset: "
-                         f"backend=, then ${BACKEND_VARIABLE}, then NCCL with CUDA, else gloo)")
-    return value.lower()
-
-
-def default_timeout(backend: str) -> datetime.timedelta:
-    """torch's default collective timeout for `backend`: NCCL's (10 min in torch 2.x) is not gloo's (30 min)."""
-    if backend == "nccl" and isinstance(constants.default_pg_nccl_timeout, datetime.timedelta):
-        return constants.default_pg_nccl_timeout
-    return constants.default_pg_timeout
-
-
-def _check_nccl(spec: DistEnv) -> None:
-    """NCCL needs CUDA and one GPU per rank on this node; say what to do instead."""
-    if not torch.cuda.is_available():
-        raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False; "
-                         "use backend='gloo'")
-    gpus = torch.cuda.device_count()
-    if spec.local_world_size > gpus:
-        raise ValueError(
-            f"backend='nccl' with local_world_size={spec.local_world_size} ranks on this node but {gpus} GPU(s) "
-            f"visible: NCCL needs one GPU per rank (two ranks on one GPU fail or hang). Start at most {gpus} "
-            f"process(es) per node, or pass backend='gloo' (or set {BACKEND_VARIABLE}=gloo) to let ranks share")
-
-
-def _as_timedelta(timeout: Union[float, datetime.timedelta, None], backend: str = "gloo") -> datetime.timedelta:
-    if timeout is None:
-        return default_timeout(backend)
-    if isinstance(timeout, datetime.timedelta):
-        if timeout.total_seconds() <= 0:
-            raise ValueError(f"timeout={timeout!r} must be positive")
-        return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):  # the message names both forms
-        raise TypeError(f"timeout={timeout!r} must be seconds (a number) or a datetime.timedelta")
-    return datetime.timedelta(seconds=check_number("timeout", timeout, positive=True))
 
 
 def init(
@@ -218,9 +174,9 @@ def init(
         node_rank=node_rank, master_addr=master_addr, master_port=master_port,
     )
     backend = choose_backend(backend)
-    timeout = _as_timedelta(timeout, backend)
+    timeout = as_timedelta(timeout, backend)
     if backend == "nccl":
-        _check_nccl(spec)
+        check_nccl(spec.local_world_size)
     device = torch.device("cpu")
     if torch.cuda.is_available():
         # Several processes may share one GPU (gloo), hence the modulo.
@@ -232,53 +188,9 @@ def init(
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         # Ranks meet here: rank 0 hosts the rendezvous store, the others connect to it.
-        dist.init_process_group(backend, store=_rendezvous_store(spec, timeout), rank=spec.rank,
+        dist.init_process_group(backend, store=rendezvous_store(spec, timeout), rank=spec.rank,
                                 world_size=spec.world_size, timeout=timeout)
     return dataclasses.replace(spec, device=device, backend=backend)
-
-
-def _agent_store_serves(spec: DistEnv, environ: Mapping[str, str]) -> bool:
-    """Whether torchrun's agent already hosts the store at spec's master_addr:master_port.
-
-    torchrun (torch.distributed.run) runs a TCPStore on MASTER_ADDR:MASTER_PORT for its workers and
-    says so with TORCHELASTIC_USE_AGENT_STORE=True; the promise holds for that address only, so
-    explicit master_addr/master_port arguments that point elsewhere get minidp's own store. This is
-    the test torch's env:// rendezvous makes (torch.distributed.rendezvous._agent_store_serves).
-    """
-    return (environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and environ.get("MASTER_ADDR") == spec.master_addr
-            and environ.get("MASTER_PORT") == str(spec.master_port))
-
-
-def _rendezvous_store(spec: DistEnv, timeout: datetime.timedelta) -> dist.Store:
-    """The TCP key-value store the ranks meet through.
-
-    Under torchrun every rank is a client of the agent's store, under the key prefix "default_pg",
-    exactly as torch's env:// rendezvous (init_process_group without a store) connects. Elsewhere
-    (minidp.run, minidp.launch, SLURM, explicit arguments) rank 0 hosts the store, listening on
-    master_addr only. Why not init_method="tcp://...": torch's store server then listens on every
-    interface; a socket bound to master_addr (127.0.0.1 on one node) keeps the rendezvous off the network.
-    """
-    if _agent_store_serves(spec, os.environ):
-        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout)
-        return dist.PrefixStore("default_pg", store)  # the agent's store is shared: keep to our keys
-    if spec.rank != 0:
-        return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout)
-    family = socket.AF_INET6 if ":" in spec.master_addr else socket.AF_INET
-    try:
-        server = socket.create_server((spec.master_addr, spec.master_port), family=family, backlog=1024)
-    except OSError as exc:
-        raise RuntimeError(f"rank 0 cannot listen on master_addr={spec.master_addr!r} "
-                           f"master_port={spec.master_port}: {exc}") from exc
-    try:
-        return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, True, timeout,
-                             wait_for_workers=False, master_listen_fd=server.fileno())
-    except TypeError:  # an older torch without master_listen_fd: its server listens everywhere
-        server.close()
-        return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, True, timeout)
-    finally:
-        if server.fileno() >= 0:
-            server.detach()  # the store owns the listening socket now
 
 
 def _export(spec: DistEnv) -> None:

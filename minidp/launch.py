@@ -5,45 +5,42 @@ Each worker gets the environment torchrun would give it (RANK, LOCAL_RANK, WORLD
 others are terminated (their whole process groups, so DataLoader workers go too), and the first
 failure is reported with its rank and traceback. A worker also dies if the launcher dies
 (PR_SET_PDEATHSIG on Linux), so no orphan is left behind.
+
+This module holds the entry point and its checks; what runs inside each worker is worker.py, and
+the watching is supervisor.py (their names are re-exported here, where they used to live).
 """
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
-import select
-import signal
 import socket
 import sys
 import tempfile
-import time
-import traceback
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Optional
 
+from .supervisor import GRACE_S, POLL_S, Worker, WorkerFailed, supervise, terminate
 from .validate import check_int, check_number
+from .worker import _spawned_worker, die_with_parent, exit_now, read_error, worker_env, write_error
 
-POLL_S = 0.05
-GRACE_S = 3.0  # how long a terminated worker gets before SIGKILL
-
-
-class WorkerFailed(RuntimeError):
-    """A worker exited non-zero. `.rank` is the global rank that failed first."""
-
-    def __init__(self, rank: int, exitcode: int, detail: str):
-        self.rank, self.exitcode = rank, exitcode
-        super().__init__(f"worker rank {rank} failed first (exit code {exitcode}).\n{detail}")
+__all__ = [
+    "GRACE_S", "POLL_S", "Worker", "WorkerFailed", "check_topology", "die_with_parent", "exit_now", "free_port",
+    "launch", "read_error", "start_method", "supervise", "terminate", "worker_env", "write_error",
+]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
+    """A TCP port that was free a moment ago (the OS picks it).
+
+    Args:
+        host: the address to bind on. Default "127.0.0.1".
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
 def check_topology(nprocs, nnodes, node_rank, master_addr) -> None:
-    """Validate the launch arguments shared by launch() and the CLI."""
+    """Validate the launch arguments shared by launch() and the CLI (see launch() for their meaning)."""
     check_int("nprocs", nprocs, 1)
     check_int("nnodes", nnodes, 1)
     if not 0 <= check_int("node_rank", node_rank) < nnodes:
@@ -61,202 +58,6 @@ def _check_launch_args(fn, args, master_port, timeout) -> None:
         check_int("master_port", master_port, 1, 65535)
     if timeout is not None:
         check_number("timeout", timeout, positive=True)  # seconds
-
-
-def worker_env(local_rank, nprocs, nnodes, node_rank, master_addr, master_port) -> Dict[str, str]:
-    """The variables torchrun sets for one worker."""
-    return {
-        "RANK": str(node_rank * nprocs + local_rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(nnodes * nprocs),
-        "LOCAL_WORLD_SIZE": str(nprocs),
-        "GROUP_RANK": str(node_rank),
-        "NODE_RANK": str(node_rank),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # torchrun's default too
-    }
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies; a no-op elsewhere."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def write_error(path: str, exc_text: str) -> None:
-    """Record a worker's traceback with the time it happened, so the parent can tell who failed first."""
-    with open(path, "w") as f:
-        f.write(f"{time.time()!r}\n{exc_text}")
-
-
-def read_error(path: str):
-    """(time, traceback) from write_error's file, or (inf, None) when the worker left none."""
-    try:
-        with open(path) as f:
-            stamp, _, text = f.read().partition("\n")
-        return float(stamp), text
-    except (OSError, ValueError):
-        return float("inf"), None
-
-
-def _spawned_worker(local_rank, fn, args, env, error_path, forked=False):
-    # Runs in the child: its own process group (so the parent can kill its whole tree), die with
-    # the parent, torchrun's variables, then the user's function.
-    if forked:
-        _after_fork()
-    os.setpgid(0, 0)
-    die_with_parent()
-    os.environ.update(env)
-    try:
-        fn(local_rank, *args)
-    except BaseException:
-        write_error(error_path, traceback.format_exc())
-        exit_now(1)
-    exit_now(0)
-
-
-def _after_fork() -> None:
-    """Make a forked worker safe: drop the parent's exit handlers, one torch thread.
-
-    Why: the parent's atexit handlers (IPython's history database, its temp files) are not the
-    worker's to run. And GNU OpenMP's thread pool does not survive a fork: once the parent has run a
-    parallel torch op, the child's next one waits forever for threads that do not exist in it, unless
-    the child uses one thread (as torch's DataLoader workers do; torchrun's default too). So a forked
-    worker must not raise torch.set_num_threads() if this process has run parallel torch ops.
-    """
-    import atexit
-
-    atexit._clear()
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_num_threads(1)
-
-
-def exit_now(code: int) -> None:
-    """Run atexit handlers, flush, and leave without C++ static destructors.
-
-    Why: with torch's gloo backend, a finished worker can abort at interpreter teardown
-    ("terminate called without an active exception") when a gloo thread outlives the Python
-    objects it refers to, even after destroy_process_group(); the work is done by then, so
-    skipping the teardown loses nothing and keeps a clean exit status.
-    """
-    import atexit
-
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
-
-@dataclass
-class Worker:
-    """One watched child: a multiprocessing.Process or a subprocess.Popen, with its rank."""
-
-    rank: int
-    proc: object
-    error_path: str
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def exitcode(self) -> Optional[int]:
-        proc = self.proc
-        return proc.exitcode if hasattr(proc, "exitcode") else proc.poll()
-
-
-def _describe(worker: Worker, code: int) -> str:
-    _, text = read_error(worker.error_path)
-    if text:
-        return f"[rank {worker.rank}] {text.rstrip()}"
-    if code < 0:
-        return f"[rank {worker.rank}] killed by signal {signal.Signals(-code).name} (pid {worker.pid})"
-    return f"[rank {worker.rank}] exited with code {code} (pid {worker.pid}); see its output above"
-
-
-def terminate(workers: Sequence[Worker]) -> None:
-    """SIGTERM every live worker's process group, then SIGKILL whatever is left after GRACE_S."""
-    for sig, wait_s in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, GRACE_S)):
-        alive = [w for w in workers if w.exitcode() is None]
-        for w in alive:
-            _signal_tree(w.pid, sig)
-        deadline = time.monotonic() + wait_s
-        while any(w.exitcode() is None for w in alive) and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-    for w in workers:  # also take down grandchildren of workers that had already exited
-        _signal_tree(w.pid, signal.SIGKILL)
-
-
-def _signal_tree(pid: int, sig: int) -> None:
-    """Signal the worker's process group; the worker alone if it has not made its group yet."""
-    for send in (os.killpg, os.kill):
-        try:
-            send(pid, sig)
-            return
-        except (ProcessLookupError, PermissionError):
-            continue
-
-
-def supervise(workers: List[Worker], timeout: Optional[float] = None) -> None:
-    """Wait for all workers; on the first failure (or timeout) stop the rest and raise."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    exit_seen: Dict[int, float] = {}  # rank -> wall time the launcher saw the process end
-    waiter = _ExitWaiter(workers)
-    try:
-        while True:
-            waiter.wait(POLL_S)  # wakes as soon as any worker exits
-            codes = [w.exitcode() for w in workers]
-            for w, c in zip(workers, codes):
-                if c is not None:
-                    exit_seen.setdefault(w.rank, time.time())
-            failed = [(w, c) for w, c in zip(workers, codes) if c not in (None, 0)]
-            if failed:
-                # A peer's death breaks the others' collectives, so several may have failed by now.
-                # The cause is the earliest: its exception's time, or its exit for a killed worker.
-                def failed_at(wc):
-                    return min(read_error(wc[0].error_path)[0], exit_seen[wc[0].rank])
-                worker, code = min(failed, key=failed_at)
-                raise WorkerFailed(worker.rank, code, _describe(worker, code))
-            if all(c == 0 for c in codes):
-                return
-            if deadline is not None and time.monotonic() > deadline:
-                running = [w.rank for w, c in zip(workers, codes) if c is None]
-                raise TimeoutError(f"launch: timeout={timeout}s passed with ranks {running} still running")
-    finally:
-        waiter.close()
-        terminate(workers)
-
-
-class _ExitWaiter:
-    """Block until some worker exits (pidfd + select on Linux), or for at most the poll interval."""
-
-    def __init__(self, workers):
-        self.fds = {}  # pidfd -> worker, for workers still running
-        for w in workers:
-            try:
-                self.fds[os.pidfd_open(w.pid)] = w
-            except (AttributeError, OSError):  # not Linux >= 5.3: fall back to polling
-                self.close()
-                return
-
-    def wait(self, seconds: float) -> None:
-        if not self.fds:
-            time.sleep(seconds)
-            return
-        readable, _, _ = select.select(list(self.fds), [], [], seconds)
-        for fd in readable:  # an exited worker's pidfd stays readable: stop watching it
-            os.close(fd)
-            del self.fds[fd]
-
-    def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = {}
 
 
 def start_method(fn: Callable) -> str:

@@ -17,15 +17,15 @@ import tempfile
 import traceback
 from typing import List, Optional
 
-from .launch import Worker, WorkerFailed, check_topology, free_port, supervise, terminate, worker_env
+from .launch import check_topology, free_port
+from .supervisor import Worker, WorkerFailed, supervise, terminate
+from .worker import die_with_parent, exit_now, worker_env, write_error
 
 _ERROR_FILE_VAR = "MINIDP_ERROR_FILE"
 
 
 def _run_script_as_worker(script: str, script_args: List[str]) -> None:
     """Child side: run the user's script as __main__, and record its traceback if it raises."""
-    from .launch import die_with_parent, exit_now, write_error
-
     die_with_parent()
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
@@ -44,6 +44,11 @@ def _run_script_as_worker(script: str, script_args: List[str]) -> None:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The command line, torchrun's flags (both spellings) then the script and its arguments.
+
+    Args:
+        argv: the arguments after `python -m minidp.run`. Default None: sys.argv[1:].
+    """
     p = argparse.ArgumentParser(prog="python -m minidp.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
     p.add_argument("--nnodes", type=int, default=1)
@@ -58,7 +63,29 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _start_scripts(a: argparse.Namespace, error_dir: str, workers: List[Worker]) -> None:
+    """Start the script once per local rank, appending each to `workers` as it starts."""
+    code = "from minidp.run import _run_script_as_worker as r; import sys; r(sys.argv[1], sys.argv[2:])"
+    for local_rank in range(a.nproc_per_node):
+        env = worker_env(local_rank, a.nproc_per_node, a.nnodes, a.node_rank, a.master_addr, a.master_port)
+        error_path = os.path.join(error_dir, f"rank{env['RANK']}.err")
+        env = {**os.environ, **env, _ERROR_FILE_VAR: error_path}
+        # Own session: the launcher can signal the worker's whole tree, and Ctrl-C reaches
+        # only the launcher, which then stops every worker.
+        proc = subprocess.Popen([sys.executable, "-c", code, a.script, *a.script_args], env=env,
+                                start_new_session=True)
+        workers.append(Worker(int(env["RANK"]), proc, error_path))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run the script on every local rank and wait; the exit status: 0, 1 (a rank failed), 124, 130.
+
+    Args:
+        argv: as for parse_args. Default None: sys.argv[1:].
+
+    Raises:
+        ValueError, TypeError: bad arguments (the __main__ block prints them and exits with 2).
+    """
     a = parse_args(argv)
     if a.nnodes == 1 and a.master_addr is None:
         a.master_addr = "127.0.0.1"
@@ -69,20 +96,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         a.master_port = free_port(a.master_addr)
     if not os.path.isfile(a.script):
         raise ValueError(f"script={a.script!r} is not a file")
-    code = "from minidp.run import _run_script_as_worker as r; import sys; r(sys.argv[1], sys.argv[2:])"
     with tempfile.TemporaryDirectory(prefix="minidp-run-") as error_dir:
-        workers = []
+        workers: List[Worker] = []
         try:
-            for local_rank in range(a.nproc_per_node):
-                env = worker_env(local_rank, a.nproc_per_node, a.nnodes, a.node_rank, a.master_addr,
-                                 a.master_port)
-                error_path = os.path.join(error_dir, f"rank{env['RANK']}.err")
-                env = {**os.environ, **env, _ERROR_FILE_VAR: error_path}
-                # Own session: the launcher can signal the worker's whole tree, and Ctrl-C reaches
-                # only the launcher, which then stops every worker.
-                proc = subprocess.Popen([sys.executable, "-c", code, a.script, *a.script_args], env=env,
-                                        start_new_session=True)
-                workers.append(Worker(int(env["RANK"]), proc, error_path))
+            _start_scripts(a, error_dir, workers)
             supervise(workers, a.timeout)
         except WorkerFailed as exc:
             print(f"minidp.run: {exc}", file=sys.stderr, flush=True)

@@ -167,6 +167,24 @@ def test_cli_bad_input(monkeypatch, capsys):
     assert info.value.code == 2 and "nprocs=0 must be >= 1" in capsys.readouterr().err
 
 
-def test_shutdown_is_safe_twice():
+def _init_shutdown_twice_init_again():
+    """After init: shutdown destroys the group, a second shutdown is a no-op, and init works again."""
+    states = [dist.is_initialized()]
     minidp.shutdown()
+    states.append(dist.is_initialized())
+    minidp.shutdown()  # nothing left to destroy: must neither raise nor touch anything
+    states.append(dist.is_initialized())
+    env = minidp.init(timeout=60)  # refused ("exists already") had the first shutdown left the group
+    t = torch.ones(1)
+    dist.all_reduce(t)  # ranks meet here: the new group works
+    return states, env.world_size, t.item()
+
+
+def test_shutdown_destroys_the_group_and_is_safe_twice():
+    assert not dist.is_initialized()
+    minidp.shutdown()  # without init(): a no-op, twice
     minidp.shutdown()
+    assert not dist.is_initialized()
+    for states, world, total in run_ranks(_init_shutdown_twice_init_again, 2):
+        assert states == [True, False, False]
+        assert world == 2 and total == 2.0

@@ -10,9 +10,8 @@ import torch
 
 import minidp
 from harness import run_ranks
-from minidp.engine import planning
 from minidp.study.network import Link, Network, allreduce_time, fit_ring, measure_allreduce
-from minidp.study.simulate import MIB, Profile, best_cap, plan_buckets, scaling, simulate_step
+from minidp.study.simulate import MIB, Profile, best_cap, bucket_indices, plan_buckets, scaling, simulate_step
 from models import MLP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,15 +47,39 @@ def _profile(sizes, ready, backward=0.1):
                    backward_s=backward, finalize_s=0.002, optimizer_s=0.01)
 
 
-@pytest.mark.parametrize("cap", [None, 1, 0.3, 25, 100])
-def test_bucket_cut_is_minidps(cap):
-    gen = torch.Generator().manual_seed(0)
-    sizes = [int(s) * 4 for s in torch.randint(1, 600_000, (40,), generator=gen)]
-    order = torch.randperm(40, generator=gen).tolist()
-    profile = _profile([sizes[i] for i in order], [0.001 * k for k in range(40)])
-    limits = planning.bucket_limits(cap, False, False)
-    expected = planning.assign_buckets(sizes, ["f32"] * 40, limits, order)
-    assert [b for b, _ in plan_buckets(profile, cap)] == [sum(sizes[i] for i in bucket) for bucket in expected]
+CAPS = (None, 0.004, 0.05)  # MiB; None: DDP's default, 1 MiB first, then 25
+
+
+def _ddp_layouts_worker():
+    """For each cap: one recorded step of minidp.DDP after its buckets were rebuilt, and its bucket_plan()."""
+    torch.manual_seed(0)
+    out = {}
+    for cap in CAPS:
+        # width 1024: a 4 MiB weight, so the default's 1 MiB first bucket closes before the rest.
+        model = minidp.DDP(MLP(width=1024), bucket_cap_mb=cap)
+        for _ in range(2):  # the first step learns the ready order, the second runs the rebuilt buckets
+            timeline = model.enable_timeline()
+            timeline.record("forward_start")
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            timeline.record("backward_start")
+            loss.backward()
+            timeline.record("step_end")
+        sizes = {n: p.numel() * p.element_size() for n, p in model.module.named_parameters()}
+        out[cap] = (timeline.snapshot(), sizes, model.bucket_plan())
+    return out
+
+
+def test_simulated_buckets_are_the_ones_ddp_builds():
+    # What simulate's predictions rest on: the buckets it cuts from a recorded step are the ones
+    # minidp.DDP really launched in that step (same gradients, same order), for the default and other caps.
+    recorded = run_ranks(_ddp_layouts_worker, 2)[0]
+    for cap, (events, sizes, ddp_plan) in recorded.items():
+        profile = Profile.from_events(events, sizes)
+        simulated = [[profile.names[i] for i in bucket] for bucket in bucket_indices(profile, cap)]
+        assert simulated == ddp_plan, f"bucket_cap_mb={cap}"
+        assert len(ddp_plan) > 1, f"bucket_cap_mb={cap}: one bucket tells nothing about the cut"
+        nbytes = [sum(sizes[name] for name in bucket) for bucket in ddp_plan]
+        assert [b for b, _ in plan_buckets(profile, cap)] == nbytes
 
 
 def test_step_model_by_hand():

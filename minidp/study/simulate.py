@@ -29,10 +29,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from ..engine.planning import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB, bucket_limits, plan_rebuilt
 from ..validate import check_int, check_number
 from .network import Network, allreduce_time
 
-MIB = 1024 * 1024
 WORLD_SIZES = tuple(2 ** k for k in range(11))  # 1 ... 1,024
 
 
@@ -100,23 +100,32 @@ class Profile:
         return cls.from_events(data["events"][str(rank)], {name: nbytes for name, _, nbytes in data["params"]})
 
 
-def plan_buckets(profile: Profile, bucket_cap_mb: float | None = None) -> list:
-    """[(bytes, ready_s)] per bucket, in launch order: DDP's rebuilt layout for one dtype.
+def bucket_indices(profile: Profile, bucket_cap_mb: float | None = None) -> list:
+    """Which gradients share each bucket: DDP's rebuilt layout for one dtype, by index into profile.names.
 
-    Gradients in ready order fill a bucket until its size reaches the limit (1 MiB for the first
-    bucket when bucket_cap_mb is None, else the cap: 25 MiB by default).
+    This is the layout minidp.DDP (and torch DDP) use from the second iteration on, made by the
+    engine's own planning functions: gradients in the order they became ready, cut when a bucket
+    reaches its limit (DEFAULT_FIRST_BUCKET_BYTES for the first bucket when bucket_cap_mb is None,
+    then the cap: DEFAULT_BUCKET_CAP_MB by default).
+
+    Args:
+        profile: the recorded step; its gradients are listed in ready order.
+        bucket_cap_mb: DDP's bucket_cap_mb. Default None: DDP's default.
     """
-    cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * MIB)
-    limits = [min(MIB, cap), cap] if bucket_cap_mb is None else [cap]
-    buckets, size, ready = [], 0, 0.0
-    for nbytes, t in zip(profile.nbytes, profile.ready_s):
-        size, ready = size + nbytes, max(ready, t)
-        if size >= limits[min(len(buckets), len(limits) - 1)]:
-            buckets.append((size, ready))
-            size = 0
-    if size:
-        buckets.append((size, ready))
-    return buckets
+    limits = bucket_limits(bucket_cap_mb, first_iteration=False, needs_rebuild=True)
+    count = len(profile.nbytes)
+    return plan_rebuilt(profile.nbytes, [None] * count, limits, ready_order=range(count))
+
+
+def plan_buckets(profile: Profile, bucket_cap_mb: float | None = None) -> list:
+    """[(bytes, ready_s)] per bucket, in launch order: bucket_indices' buckets, each ready with its last gradient.
+
+    Args:
+        profile: the recorded step.
+        bucket_cap_mb: DDP's bucket_cap_mb. Default None: DDP's default.
+    """
+    return [(sum(profile.nbytes[i] for i in bucket), max(profile.ready_s[i] for i in bucket))
+            for bucket in bucket_indices(profile, bucket_cap_mb)]
 
 
 def simulate_step(profile: Profile, net: Network, world_size: int, bucket_cap_mb: float | None = None,
@@ -205,7 +214,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m minidp.simulate", description=__doc__.split("\n")[0])
     p.add_argument("--events", help="a recorded step: the _events.json that python -m minidp.explain writes")
     p.add_argument("--rank", type=int, default=0, help="whose recorded step to use (default 0)")
-    p.add_argument("--bucket-cap-mb", type=float, default=None, help="default: DDP's (1 MiB first, then 25)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help=f"default: DDP's ({DEFAULT_FIRST_BUCKET_BYTES // MIB} MiB first, then {DEFAULT_BUCKET_CAP_MB})")
     p.add_argument("--compression", type=float, default=1.0, help="bytes sent / gradient bytes (default 1)")
     p.add_argument("--world-sizes", default=",".join(map(str, WORLD_SIZES[1:])), help="default 2,4,...,1024")
     p.add_argument("--caps", default=None, help="also compare bucket caps, e.g. 1,5,25,100")

@@ -1,0 +1,68 @@
+"""The key-value store the ranks meet through when init() creates the process group.
+
+Under torchrun every rank is a client of the store torchrun's agent already runs; elsewhere
+(minidp.run, minidp.launch, SLURM, explicit arguments) rank 0 hosts one, listening on master_addr only.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import TYPE_CHECKING, Mapping
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .env import DistEnv
+
+
+def agent_store_serves(spec: DistEnv, environ: Mapping[str, str]) -> bool:
+    """Whether torchrun's agent already hosts the store at spec's master_addr:master_port.
+
+    torchrun (torch.distributed.run) runs a TCPStore on MASTER_ADDR:MASTER_PORT for its workers and
+    says so with TORCHELASTIC_USE_AGENT_STORE=True; the promise holds for that address only, so
+    explicit master_addr/master_port arguments that point elsewhere get minidp's own store. This is
+    the test torch's env:// rendezvous makes (torch.distributed.rendezvous._agent_store_serves).
+
+    Args:
+        spec: this process's resolved identity (resolve_env).
+        environ: the environment torchrun's variables are read from.
+    """
+    return (environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and environ.get("MASTER_ADDR") == spec.master_addr
+            and environ.get("MASTER_PORT") == str(spec.master_port))
+
+
+def rendezvous_store(spec: DistEnv, timeout: datetime.timedelta) -> dist.Store:
+    """The TCP key-value store the ranks meet through.
+
+    Under torchrun every rank is a client of the agent's store, under the key prefix "default_pg",
+    exactly as torch's env:// rendezvous (init_process_group without a store) connects. Elsewhere
+    (minidp.run, minidp.launch, SLURM, explicit arguments) rank 0 hosts the store, listening on
+    master_addr only. Why not init_method="tcp://...": torch's store server then listens on every
+    interface; a socket bound to master_addr (127.0.0.1 on one node) keeps the rendezvous off the network.
+
+    Args:
+        spec: this process's resolved identity (rank, world size, master_addr, master_port).
+        timeout: how long to wait for the other ranks.
+    """
+    if agent_store_serves(spec, os.environ):
+        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout)
+        return dist.PrefixStore("default_pg", store)  # the agent's store is shared: keep to our keys
+    if spec.rank != 0:
+        return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in spec.master_addr else socket.AF_INET
+    try:
+        server = socket.create_server((spec.master_addr, spec.master_port), family=family, backlog=1024)
+    except OSError as exc:
+        raise RuntimeError(f"rank 0 cannot listen on master_addr={spec.master_addr!r} "
+                           f"master_port={spec.master_port}: {exc}") from exc
+    try:
+        return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, True, timeout,
+                             wait_for_workers=False, master_listen_fd=server.fileno())
+    except TypeError:  # an older torch without master_listen_fd: its server listens everywhere
+        server.close()
+        return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, True, timeout)
+    finally:
+        if server.fileno() >= 0:
+            server.detach()  # the store owns the listening socket now
