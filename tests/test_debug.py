@@ -1,10 +1,14 @@
-"""Debug mode (debug=True / MINIDP_DEBUG=1) under join(): joined ranks meet every check, nothing hangs.
+"""Debug mode (debug=True / MINIDP_DEBUG=1): desync diagnosis, and joined ranks that meet every check.
 
-Without a joined rank's side of the checks, a training rank's debug all-gather waited for the
-collective timeout and then reported a false desync. Real processes, gloo, CPU; torch DDP's join is
-the reference for the trained values, and a record of every check says who took part in which.
+Ranks that disagree about what they reduce (one skips a backward, runs a step fewer, builds other
+buckets) get an error that names the ranks, iterations and buckets, on every rank, instead of a hang.
+Under join() (test_join.py) a rank whose data has run out still meets every check: without its side,
+a training rank's debug all-gather waited for the collective timeout and then reported a false desync.
+Real processes, gloo, CPU; torch DDP's join is the reference for the trained values, and a record of
+every check says who took part in which.
 """
 import contextlib
+import os
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
-from harness import run_ranks
+from harness import error_of, run_ranks
 from minidp.engine import debug as debug_mode
 from models import build, input_shape
 
@@ -48,15 +52,18 @@ def _debug_join_worker(batches_per_rank, cases):
         checks.append((phase, iteration))
         return real_check(phase, iteration, *args, **kwargs)
 
-    debug_mode.check = recording_check  # this worker process only
+    debug_mode.check = recording_check  # this worker process only, until the cases are done
     n = batches_per_rank[dist.get_rank()]
     out = {"diff": {}, "checks": {}}
-    for name, (model_name, join_kwargs, accumulate) in cases.items():
-        checks.clear()
-        ours = _train(minidp.DDP, model_name, join_kwargs, accumulate, n)
-        theirs = _train(TorchDDP, model_name, join_kwargs, accumulate, n)
-        out["diff"][name] = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
-        out["checks"][name] = list(checks)
+    try:
+        for name, (model_name, join_kwargs, accumulate) in cases.items():
+            checks.clear()
+            ours = _train(minidp.DDP, model_name, join_kwargs, accumulate, n)
+            theirs = _train(TorchDDP, model_name, join_kwargs, accumulate, n)
+            out["diff"][name] = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
+            out["checks"][name] = list(checks)
+    finally:
+        debug_mode.check = real_check
     return out
 
 
@@ -73,14 +80,112 @@ def _expected_checks(n_mine, n_most, accumulate):
     return checks
 
 
-@pytest.mark.parametrize("batches, cases", [((5, 7), CASES_2), ((5, 7, 6), CASES_3)], ids=["2_ranks", "3_ranks"])
-def test_debug_mode_under_join_equals_torch_ddp_and_joined_ranks_take_part(batches, cases):
+# ---- one launch per world size: under join() first, while the group is clean; each desync case then
+# ends in an error on every rank at the same collective, so the group stays usable for the next --------
+
+# run id: (fixture, batches per rank, cases)
+RUNS = {"2_ranks": ("two_ranks", (5, 7), CASES_2), "3_ranks": ("three_ranks", (5, 7, 6), CASES_3)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
     # A 20 s collective timeout: a rank left alone in a debug check fails the test quickly.
-    results = run_ranks(_debug_join_worker, len(batches), batches, cases, timeout=200, collective_timeout=20)
+    return run_ranks(_two_rank_worker, 2, timeout=200, collective_timeout=20)
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    _, batches, cases = RUNS["3_ranks"]
+    return run_ranks(_three_rank_worker, 3, batches, cases, timeout=200, collective_timeout=20)
+
+
+def _two_rank_worker():
+    _, batches, cases = RUNS["2_ranks"]
+    return {"join": _debug_join_worker(batches, cases), **_desync_worker()}
+
+
+def _three_rank_worker(batches, cases):
+    return {"join": _debug_join_worker(batches, cases)}
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_debug_mode_under_join_equals_torch_ddp_and_joined_ranks_take_part(run, request):
+    fixture, batches, cases = RUNS[run]
+    results = [res["join"] for res in request.getfixturevalue(fixture)]
     for rank, res in enumerate(results):
         for case, (_, _, accumulate) in cases.items():
             assert res["diff"][case] == 0.0, f"rank {rank}, {case}: max abs difference from torch DDP's join"
             assert res["checks"][case] == _expected_checks(batches[rank], max(batches), accumulate), (rank, case)
+
+
+# ---- desync ---------------------------------------------------------------------------------------
+
+def _skip_backward(debug=True):
+    model = minidp.DDP(build("mlp"), debug=debug)
+    for step in range(4):
+        loss = model(torch.randn(4, 8)).sum()
+        if not (dist.get_rank() == 1 and step == 2):  # rank 1 forgets one backward
+            loss.backward()
+
+
+def _skip_backward_with_env():
+    """The same desync, with debug mode turned on by MINIDP_DEBUG=1 instead of debug=True."""
+    os.environ["MINIDP_DEBUG"] = "1"  # this worker process only
+    try:
+        return _skip_backward(debug=None)  # None, the default: the environment decides
+    finally:
+        del os.environ["MINIDP_DEBUG"]
+
+
+def _desync_worker():
+    rank = dist.get_rank()
+    return {
+        "skip_backward": error_of(_skip_backward),
+        "skip_backward_env": error_of(_skip_backward_with_env),
+        "bucket_cap": error_of(lambda: minidp.DDP(build("mlp"), bucket_cap_mb=25 if rank == 0 else 5)),
+    }
+
+
+def _assert_skipped_backward_named(res, rank, case):
+    assert res[case] is not None, f"rank {rank} saw no error ({case})"
+    kind, skip = res[case]
+    assert kind == "RuntimeError", res
+    assert "ranks [1] differ from rank 0" in skip
+    assert "rank 0: iteration 3, backward" in skip and "launching bucket 0" in skip
+    assert "rank 1: iteration 4, forward" in skip
+
+
+def test_desync_skipped_backward_and_different_bucket_cap_named_on_every_rank(two_ranks):
+    for rank, res in enumerate(two_ranks):
+        _assert_skipped_backward_named(res, rank, "skip_backward")
+        assert res["bucket_cap"] is not None, f"rank {rank} saw no error"
+        kind, cap = res["bucket_cap"]
+        assert kind == "RuntimeError" and "before iteration 1" in cap and "ranks [1]" in cap
+        assert "bucket_cap_mb=25" in cap and "bucket_cap_mb=5" in cap
+
+
+def test_minidp_debug_environment_variable_turns_debug_mode_on(two_ranks):
+    for rank, res in enumerate(two_ranks):
+        _assert_skipped_backward_named(res, rank, "skip_backward_env")
+
+
+def _one_step_fewer():
+    model = minidp.DDP(build("mlp"), debug=True)
+    steps = 6 if dist.get_rank() == 0 else 5  # rank 1 stops early, then shuts down
+    for _ in range(steps):
+        model(torch.randn(4, 8)).sum().backward()
+
+
+def test_desync_one_step_fewer_names_rank_iteration_and_bucket():
+    # A launch of its own: the run must fail. Without debug mode, gloo may pair rank 0's extra
+    # all-reduce with rank 1's shutdown (it matches collectives by order only): debug mode's
+    # fingerprint turns that into a clear error.
+    with pytest.raises(minidp.WorkerFailed) as info:  # the message below is debug mode's, not a timeout's
+        run_ranks(_one_step_fewer, 2, timeout=120, collective_timeout=20)
+    message = str(info.value)
+    assert info.value.rank == 0
+    assert "failed on rank 0 at iteration 6 (forward, before bucket 0 [" in message
+    assert "ran a different number of steps" in message
 
 
 # ---- the comparison itself (no processes) -------------------------------------------------------

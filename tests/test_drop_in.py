@@ -12,11 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.algorithms.join import Join
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
-from torch.overrides import TorchFunctionMode
 
 import minidp
 from harness import run_ranks
@@ -241,104 +238,6 @@ def test_pickled_model_trains_on_in_a_fresh_process_group_as_torch_ddp(tmp_path)
         assert "default process group" in before["minidp", "subgroup"][1]
 
 
-# ---- join(): buffers from the last rank still training, bit for bit, with no host sync ----------
-
-class _Buffered(nn.Module):
-    """Rank-dependent buffers (signed zeros, NaN, bools) rewritten in every forward; BatchNorm too."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin, self.bn = nn.Linear(8, 4), nn.BatchNorm1d(4)
-        self.register_buffer("signs", torch.zeros(3))
-        self.register_buffer("flags", torch.zeros(2, dtype=torch.bool))
-        self.received = []  # the buffers as each forward received them (after DDP's broadcast)
-
-    def forward(self, x):
-        self.received.append(torch.cat([self.signs.view(torch.int32).double(), self.flags.double()]))
-        rank = dist.get_rank()
-        self.signs.copy_(torch.tensor([-0.0 if rank != 1 else 0.0, float("nan") if rank == 1 else 2.0, rank + 0.5]))
-        self.flags.copy_(torch.tensor([rank == 0, rank == 2]))
-        return self.bn(self.lin(x))
-
-
-class _HostSyncs(TorchFunctionMode):
-    """Counts the tensor calls that make the host wait for a value (on a GPU: a stall)."""
-
-    NAMES = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__"}
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.count += getattr(func, "__name__", "") in self.NAMES
-        return func(*args, **(kwargs or {}))
-
-
-def _join_buffers_worker(batches_per_rank):
-    n = batches_per_rank[dist.get_rank()]
-    out = {}
-    for label, engine in ENGINES.items():
-        torch.manual_seed(0)
-        module = _Buffered()
-        model = engine(module, bucket_cap_mb=0.0005)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        gen = torch.Generator().manual_seed(7 + dist.get_rank())
-        syncs = _HostSyncs()
-        with model.join():
-            for step in range(n):
-                x = torch.randn(4, 8, generator=gen)
-                if step >= 2 and label == "minidp":  # after the one-time bucket rebuild
-                    with syncs:
-                        y = model(x)
-                else:
-                    y = model(x)
-                y.pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-        out[label] = (module.received, [t.detach().clone() for t in module.state_dict().values()])
-        out["host_syncs"] = syncs.count
-    return out
-
-
-def _bits(t):
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
-
-
-def test_join_buffers_bitwise_as_torch_ddp_without_host_syncs():
-    results = run_ranks(_join_buffers_worker, 3, (7, 5, 6), timeout=200)
-    for rank, res in enumerate(results):
-        (ours_received, ours_state), (theirs_received, theirs_state) = res["minidp"], res["torch"]
-        assert len(ours_received) == len(theirs_received) == (7, 5, 6)[rank]
-        for step, (a, b) in enumerate(zip(ours_received, theirs_received)):
-            assert torch.equal(a, b), (rank, step, a, b)  # bit patterns: -0.0 and NaN included
-        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(ours_state, theirs_state))
-        assert res["host_syncs"] == 0, f"rank {rank}: {res['host_syncs']} host syncs in forward under join()"
-
-
-def _join_no_sync_on_gpu_worker():
-    minidp.init(backend="nccl", timeout=60)  # the suite sets MINIDP_BACKEND=gloo: ask for NCCL by name
-    device = torch.device("cuda", torch.cuda.current_device())
-    model = minidp.DDP(build("cnn_bn").to(device), device_ids=[device.index])
-    xs = [torch.randn(4, 3, 4, 4, device=device) for _ in range(4)]  # already on the device: no copy
-    with model.join():
-        for step, x in enumerate(xs):
-            torch.cuda.synchronize()
-            if step >= 2:  # after the one-time bucket rebuild
-                torch.cuda.set_sync_debug_mode("error")  # any host sync in forward raises
-            try:
-                y = model(x)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            y.pow(2).mean().backward()
-    return True
-
-
-@pytest.mark.gpu
-def test_join_forward_makes_no_host_sync_on_gpu():
-    assert run_ranks(_join_no_sync_on_gpu_worker, 1, init=False) == [True]
-
-
 # ---- the rest of torch DDP's public surface: attributes, buffers at init, ignored parameters ------
 
 class _RankLocal(nn.Module):
@@ -561,27 +460,3 @@ def _loops_worker():
 def test_training_loop_shapes_bitwise_as_torch_ddp():
     for out in run_ranks(_loops_worker, 3, timeout=200):  # 3 ranks: the bucket layouts must agree too
         assert out == dict.fromkeys(LOOP_SHAPES, True), out
-
-
-# ---- with torch's ZeroRedundancyOptimizer, joined together ------------------------------------------
-
-def _zero_train(engine, uneven: bool):
-    torch.manual_seed(0)
-    net = build("mlp")
-    model = engine(net, bucket_cap_mb=0.001)
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9)
-    gen = torch.Generator().manual_seed(dist.get_rank())
-    with Join([model, opt]):  # both joinables: the wrapper's join hook and ZeRO's
-        for _ in range(5 + (2 * dist.get_rank() if uneven else 0)):
-            model(torch.randn(4, 8, generator=gen)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-    return torch.cat([p.detach().flatten() for p in net.parameters()])
-
-
-def _zero_worker():
-    return [torch.equal(_zero_train(minidp.DDP, uneven), _zero_train(TorchDDP, uneven)) for uneven in (False, True)]
-
-
-def test_zero_redundancy_optimizer_under_join_bitwise_as_torch_ddp():
-    assert run_ranks(_zero_worker, 3, timeout=200) == [[True, True]] * 3

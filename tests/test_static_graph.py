@@ -1,8 +1,8 @@
-"""static_graph=True as torch DDP's: unused parameters, hooks that fire twice, the late rebuild, join().
+"""static_graph=True as torch DDP's: unused parameters, hooks that fire twice, the late rebuild, errors.
 
 Side by side with torch DDP in the same processes, at 2 and 3 ranks (at 3, gloo's ring sums in an order
 that depends on the bucket layout, so bitwise equality also checks that the buckets are rebuilt after
-the second iteration, as torch does, with the unused parameters last).
+the second iteration, as torch does, with the unused parameters last). Under join(): test_join.py.
 """
 import pytest
 import torch
@@ -87,23 +87,8 @@ def _changing_graph(engine):
         model(torch.randn(2, 3)).sum().backward()
 
 
-def _train_uneven(engine):
-    """Rank r trains STEPS + 2r steps under join(): the joined ranks shadow the static graph's buckets."""
-    torch.manual_seed(0)
-    net = Net()
-    model = engine(net, static_graph=True, bucket_cap_mb=0.0008)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    gen = torch.Generator().manual_seed(1 + dist.get_rank())
-    with model.join():
-        for _ in range(STEPS + 2 * dist.get_rank()):
-            model(torch.randn(4, 6, generator=gen)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-    return torch.cat([p.detach().flatten() for p in net.parameters()])
-
-
 def _worker():
-    out = {"join_uneven": torch.equal(_train_uneven(minidp.DDP), _train_uneven(TorchDDP))}
+    out = {}
     for name, case in CASES.items():
         ours, theirs = _train(minidp.DDP, case), _train(TorchDDP, case)
         out[name] = (torch.equal(ours[0], theirs[0]), ours[1] == theirs[1], ours[1])
@@ -121,7 +106,6 @@ def _set_after_a_step(engine):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_static_graph_bitwise_as_torch_ddp(world_size):
     for rank, out in enumerate(run_ranks(_worker, world_size, timeout=300)):
-        assert out["join_uneven"], rank
         for name in CASES:
             equal, same_unused_grads, unused_grads = out[name]
             assert equal and same_unused_grads, (name, rank, out[name])
