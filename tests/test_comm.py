@@ -1,4 +1,4 @@
-"""minidp.comm in one process: bad input, byte formulas by hand, bit packing, per-parameter state, QSGD.
+"""minidp.comm in one process: bad input, byte formulas by hand, the compressor contract, bit packing, state, QSGD.
 
 The hook runs here over a one-rank loopback transport (the Transport interface needs nothing more);
 the multi-rank behaviour is in test_comm_dist.py, the CUDA paths in test_comm_gpu.py.
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from minidp import comm
+from minidp.comm.context import RandomStream
 from minidp.comm.memory import ParamStore
 from minidp.comm.powersgd import orthogonalize
 from minidp.comm.sign import pack_bits, signs_of, unpack_signs
@@ -43,6 +44,11 @@ def _bucket(numels=(600, 397), dtype=torch.float32, seed=0):
     params = [nn.Parameter(torch.zeros(n, dtype=dtype)) for n in numels]
     buffer = torch.randn(sum(numels), generator=torch.Generator().manual_seed(seed)).to(dtype)
     return GradBucket(0, buffer, params, [0, numels[0]], is_last=True)
+
+
+def _ctx(shapes, dtype=torch.float32, world_size=2):
+    """A context for a byte formula: only the shapes, dtype and world size matter."""
+    return comm.Context(0, world_size, 0, shapes, dtype, torch.device("cpu"))
 
 
 ALL = {"FP16": comm.FP16, "BF16": comm.BF16, "TopK": lambda: comm.TopK(0.01), "RandomK": lambda: comm.RandomK(0.01),
@@ -111,13 +117,13 @@ def test_cupy_nccl_without_cuda_says_what_is_missing():
     ("PowerSGD", 2, (600 + 397) * 4),  # vectors are never compressed
 ])
 def test_analytical_bytes_by_hand(name, world_size, expected):
-    assert ALL[name]().payload_bytes([torch.Size([600]), torch.Size([397])], torch.float32, world_size) == expected
+    assert ALL[name]().payload_bytes(_ctx([torch.Size([600]), torch.Size([397])], world_size=world_size)) == expected
 
 
 def test_powersgd_bytes_count_p_and_q():
     shapes = [torch.Size([32, 8]), torch.Size([32]), torch.Size([4, 2, 2])]  # 32x8 compressed at rank 1; 4x4 not
-    assert comm.PowerSGD(1).payload_bytes(shapes, torch.float32, 2) == ((32 + 8) * 1 + 32 + 16) * 4
-    assert comm.QSGD(200).payload_bytes(shapes, torch.float32, 2) == 304 * 2 + 1 * 4  # int16 above 127 levels
+    assert comm.PowerSGD(1).payload_bytes(_ctx(shapes)) == ((32 + 8) * 1 + 32 + 16) * 4
+    assert comm.QSGD(200).payload_bytes(_ctx(shapes)) == 304 * 2 + 1 * 4  # int16 above 127 levels
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -135,10 +141,112 @@ def test_measured_bytes_equal_analytical_and_one_rank_keeps_its_gradient_shape(n
     dense = 997 * 4
     assert stats["steps"] == 3 and stats["bytes_dense"] == 3 * dense
     assert stats["bytes_sent"] == state.bytes_analytical == dense + 2 * ALL[name]().payload_bytes(
-        [torch.Size([600]), torch.Size([397])], torch.float32, 1)
+        _ctx([torch.Size([600]), torch.Size([397])], world_size=1))
     assert stats["ratio"] == stats["bytes_sent"] / stats["bytes_dense"]
     state.close()  # the worker thread ends: no thread left behind in the pytest process
     assert state._thread is None
+
+
+class Exact(comm.Compressor):
+    """Sends the bucket as it is, keeps every context it is given, and declares no byte formula."""
+
+    summable = True
+
+    def __init__(self):
+        self.seen = []
+
+    def compress(self, tensor, ctx):
+        self.seen.append(ctx)
+        return [tensor.clone()]
+
+    def decompress(self, payload, ctx):
+        return payload[0]
+
+
+def test_a_compressor_gets_a_context_and_needs_no_byte_formula():
+    exact = Exact()
+    state, hook = comm.compression_hook(exact, transport=Loopback(), start_iter=1)
+    for step in range(3):
+        bucket = _bucket(seed=step)
+        assert torch.equal(hook(state, bucket).wait(), _bucket(seed=step).buffer())
+    assert [(c.rank, c.world_size, c.step, c.numel, c.dtype) for c in exact.seen] == [(0, 1, 1, 997, torch.float32),
+                                                                                      (0, 1, 2, 997, torch.float32)]
+    assert exact.seen[0].shapes == [torch.Size([600]), torch.Size([397])]
+    assert exact.seen[0].generator is exact.seen[1].generator is state.random.generator  # one per hook
+    assert state.stats()["bytes_sent"] == state.bytes_analytical == 3 * 997 * 4  # counted by the channel
+    state.close()
+
+
+class Miscounted(Exact):
+    def payload_bytes(self, ctx):
+        return ctx.numel  # wrong: it sends 4 bytes per element
+
+
+class OldStyle(Exact):
+    def compress(self, tensor, ctx):
+        return [tensor.clone()], None  # the contract before the context: (payload, what decompress needs)
+
+
+@pytest.mark.parametrize("compressor, error, words", [
+    (Miscounted(), RuntimeError, r"compressor=Miscounted\(\): payload_bytes declares 997 bytes for a bucket of shapes "
+                                 r"\[\(600,\), \(397,\)\] \(torch.float32, world size 1\), but 3988 were handed"),
+    (OldStyle(), TypeError, r"compressor=OldStyle\(\): compress\(tensor, ctx\) must return a list of tensors \(the "
+                            r"payload\), got tuple"),
+])
+def test_a_compressor_that_breaks_the_contract_fails_its_first_bucket(compressor, error, words):
+    state, hook = comm.compression_hook(compressor, transport=Loopback())
+    with pytest.raises(error, match=words):
+        hook(state, _bucket()).wait()
+    state.close()
+
+
+def test_a_compressor_without_decompress_cannot_be_made():
+    class Half(comm.Compressor):
+        def compress(self, tensor, ctx):
+            return [tensor.half()]
+
+    with pytest.raises(TypeError, match=r"abstract method '?decompress"):
+        Half()
+
+
+def test_the_generator_is_seeded_per_rank_unless_shared_and_resumes_from_a_state_dict():
+    rank_two = Loopback()
+    rank_two.rank = 2
+    assert comm.compression_hook(comm.QSGD(4, seed=5), transport=rank_two)[0].random.seed == 7  # seed + rank
+    assert comm.compression_hook(comm.RandomK(0.1, seed=5), transport=rank_two)[0].random.seed == 5  # shared
+
+    def run(state, hook, seeds):
+        return [hook(state, _bucket(seed=s)).wait().clone() for s in seeds]
+
+    state, hook = comm.compression_hook(comm.QSGD(2), transport=Loopback())
+    run(state, hook, [0, 1])
+    saved = state.state_dict()
+    assert set(saved["generator"]) == {"seed", "device_type", "state"}  # no device index: resumes on any GPU
+    going_on = run(state, hook, [2, 3])
+    again, hook2 = comm.compression_hook(comm.QSGD(2), transport=Loopback())
+    again.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(run(again, hook2, [2, 3]), going_on))
+    other, _ = comm.compression_hook(comm.QSGD(2, seed=1), transport=Loopback())
+    with pytest.raises(ValueError, match=r"the random generator's seed is 0, this hook's 1"):
+        other.load_state_dict(saved)
+    for s in (state, again):
+        s.close()
+
+
+def test_a_random_stream_goes_on_where_it_was_saved_and_refuses_another_device_type():
+    stream = RandomStream(3)
+    first = torch.rand(4, generator=stream.on("cpu"))
+    assert torch.equal(first, torch.rand(4, generator=torch.Generator().manual_seed(3)))
+    saved = stream.state_dict()
+    expected = torch.rand(4, generator=stream.on(torch.device("cpu")))  # the same generator: the stream goes on
+    resumed = RandomStream(3)
+    resumed.load_state_dict(saved)
+    assert resumed.state_dict()["state"].equal(saved["state"])  # saved again before its first use: unchanged
+    assert torch.equal(torch.rand(4, generator=resumed.on("cpu")), expected)
+    cuda_state = RandomStream(3)
+    cuda_state.load_state_dict({**saved, "device_type": "cuda"})
+    with pytest.raises(RuntimeError, match=r"saved on a cuda device and cannot go on on cpu"):
+        cuda_state.on("cpu")
 
 
 def test_error_feedback_residual_is_what_was_not_sent():
@@ -193,7 +301,8 @@ def test_load_state_dict_refuses_a_state_without_the_same_memory():
 def test_qsgd_is_unbiased_and_within_one_level():
     x = torch.randn(64, generator=torch.Generator().manual_seed(1))
     qsgd = comm.QSGD(4, block_size=16)
-    draws = torch.stack([qsgd.decompress(*qsgd.compress(x)) for _ in range(2000)])
+    ctx = comm.Context.for_tensor(x)
+    draws = torch.stack([qsgd.decompress(qsgd.compress(x, ctx), ctx) for _ in range(2000)])
     norms = torch.linalg.vector_norm(x.view(4, 16), dim=1).repeat_interleave(16)
     assert ((draws - x).abs() <= norms / 4 + 1e-6).all()  # never further than one level
     assert ((draws.mean(0) - x).abs() < 4 * norms / 4 / math.sqrt(2000)).all()  # unbiased, within 4 sigma

@@ -210,6 +210,69 @@ def _error_feedback_adds_up(steps=6):
     return out
 
 
+BYTES_COMPRESSORS = {
+    "FP16": comm.FP16, "BF16": comm.BF16, "TopK": lambda: comm.TopK(0.1), "RandomK": lambda: comm.RandomK(0.25),
+    "QSGD": lambda: comm.QSGD(16), "QSGD 200": lambda: comm.QSGD(200, block_size=64), "Sign": comm.Sign,
+    "PowerSGD": lambda: comm.PowerSGD(1), "PowerSGD 2": lambda: comm.PowerSGD(2, min_compression_rate=0),
+}
+
+
+def _expected_bytes(name, shapes, itemsize, world_size):
+    """What one compressed bucket of gradients of these shapes sends under `name`: the README's table, written out."""
+    n = sum(math.prod(shape) for shape in shapes)
+
+    def k(ratio):
+        return min(n, max(1, int(ratio * n)))
+    if name in ("FP16", "BF16"):
+        return 2 * n
+    if name == "TopK":
+        return k(0.1) * (itemsize + 4)  # values and int32 indices
+    if name == "RandomK":
+        return k(0.25) * itemsize  # values only: every rank knows the positions
+    if name == "QSGD":
+        return n + math.ceil(n / 512) * itemsize  # an int8 per element, a norm per block of 512
+    if name == "QSGD 200":
+        return 2 * n + math.ceil(n / 64) * itemsize  # int16 above 127 levels; blocks of 64
+    if name == "Sign":
+        chunk = math.ceil(n / (8 * world_size)) * 8  # each rank's server chunk, in whole bytes
+        return chunk * world_size // 8 + chunk // 8 + 2 * itemsize  # all-to-all of signs, all-gather, 2 scales
+    rank, rate = {"PowerSGD": (1, 2), "PowerSGD 2": (2, 0)}[name]
+    elements = 0
+    for shape in shapes:  # an n x m view: P (n x r) and Q (m x r) if that shrinks it more than `rate`, else as is
+        rows = shape[0]
+        cols = math.prod(shape) // rows
+        r = min(rows, cols, rank)
+        elements += (rows + cols) * r if (rows + cols) * r * rate < rows * cols else rows * cols
+    return elements * itemsize
+
+
+def _recording(hook, seen):
+    """The same hook, noting each bucket: compressed or not, its parameters' shapes, its element size."""
+    def record(state, bucket):
+        seen.append((state.steps >= state.start_iter, [tuple(p.shape) for p in bucket.parameters()],
+                     bucket.buffer().element_size()))
+        return hook(state, bucket)
+    return record
+
+
+def _bytes_by_compressor(steps=3):
+    """Every compressor's byte counters on this rank, and the buckets it was given (the parent checks them).
+
+    The MLP in small buckets (rebuilt after iteration 1), and a model with a float32 and a float64 bucket.
+    """
+    out = {}
+    for model_name, ddp_kwargs in (("mlp", SMALL_BUCKETS), ("mixed", {})):
+        for name, make in BYTES_COMPRESSORS.items():
+            model = minidp.DDP(build(model_name), **ddp_kwargs)
+            state, hook = comm.compression_hook(make(), memory=comm.ErrorFeedback(), start_iter=1)
+            seen = []
+            model.register_comm_hook(state, _recording(hook, seen))
+            _steps(model, torch.optim.SGD(model.parameters(), lr=0.05), _batches(steps, dist.get_rank()))
+            out[(model_name, name)] = {"stats": state.stats(), "buckets": seen}
+            state.close()
+    return out
+
+
 def _trains_like_exact(steps=60):
     """Final loss of each compressor with error feedback, and of exact all-reduce, on a learnable task.
 
@@ -333,12 +396,14 @@ def _world_of_two(folder):
             "sign": _sign_matches_simulation(), "powersgd_case": _powersgd_torch_test_case(),
             "powersgd_torch": _powersgd_agrees_with_torch(), "ef": _error_feedback_adds_up(),
             "train": _trains_like_exact(), "averager": _periodic_averager_matches_torch(),
-            "checkpoint": _residuals_survive_checkpoint(folder), "engine_transport": _engine_transport()}
+            "checkpoint": _residuals_survive_checkpoint(folder), "engine_transport": _engine_transport(),
+            "bytes": _bytes_by_compressor()}
 
 
 def _world_of_three():
     return {"casts": _casts_match_torch_hooks(), "sparse": _full_sparsifiers_match_exact(),
-            "sign": _sign_matches_simulation(), "powersgd_torch": _powersgd_agrees_with_torch()}
+            "sign": _sign_matches_simulation(), "powersgd_torch": _powersgd_agrees_with_torch(),
+            "bytes": _bytes_by_compressor()}
 
 
 # ---- the tests ----------------------------------------------------------------------------------
@@ -401,11 +466,21 @@ def test_error_feedback_applied_plus_residual_is_the_true_gradient_sum(two):
 
 
 def test_byte_counters_equal_the_analytical_counts(world):
-    results = world[0]["ef"].values() if "ef" in world[0] else []
-    sign = [r["sign"] for r in world]
-    for run in list(results) + sign:
-        assert run["stats"]["bytes_sent"] == run["analytical"] > 0
-        assert run["stats"]["ratio"] == run["stats"]["bytes_sent"] / run["stats"]["bytes_dense"] < 1
+    """Every compressor, on every rank: bytes counted by the channel == the formulas written out above."""
+    world_size = len(world)
+    for rank, result in enumerate(world):
+        assert {name for _, name in result["bytes"]} == set(BYTES_COMPRESSORS)
+        for (model, name), run in result["bytes"].items():
+            compressed = [(shapes, size) for is_compressed, shapes, size in run["buckets"] if is_compressed]
+            dense = [sum(math.prod(s) for s in shapes) * size for _, shapes, size in run["buckets"]]
+            exact = sum(d for d, (is_compressed, _, _) in zip(dense, run["buckets"]) if not is_compressed)
+            expected = exact + sum(_expected_bytes(name, shapes, size, world_size) for shapes, size in compressed)
+            assert len(compressed) >= 2, (model, name, run["buckets"])  # not vacuous: two compressed steps
+            assert run["stats"]["bytes_sent"] == expected, (rank, model, name, run["stats"], expected)
+            assert run["stats"]["bytes_dense"] == sum(dense) and run["stats"]["steps"] == 3
+        for run in [result["sign"], *result.get("ef", {}).values()]:  # the other cases' counters agree too
+            assert run["stats"]["bytes_sent"] == run["analytical"] > 0
+            assert run["stats"]["ratio"] == run["stats"]["bytes_sent"] / run["stats"]["bytes_dense"] < 1
 
 
 def test_every_compressor_with_error_feedback_trains_like_exact(two):

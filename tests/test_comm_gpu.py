@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import minidp
 from harness import run_ranks
 from minidp import comm
+from minidp.comm.context import RandomStream
 from models import build
 
 pytestmark = pytest.mark.gpu
@@ -114,3 +115,17 @@ def _two_ranks_on_one_gpu_over_gloo():
 def test_two_ranks_on_one_gpu_over_gloo():
     for out in run_ranks(_two_ranks_on_one_gpu_over_gloo, 2, init=False, timeout=300):
         assert all(out.values()), out
+
+
+def test_the_hooks_generator_goes_on_from_its_saved_state_on_any_gpu():
+    """The state's generator is not keyed by device: saved on cuda:0, it goes on on the last GPU (another index
+    where there are two; the old per-device generators restarted their stream there, silently)."""
+    stream = RandomStream(3)
+    first = torch.device("cuda", 0)
+    torch.rand(4, generator=stream.on(first), device=first)
+    saved = stream.state_dict()
+    expected = torch.rand(4, generator=stream.on(first), device=first).cpu()
+    resumed = RandomStream(3)
+    resumed.load_state_dict(saved)
+    last = torch.device("cuda", torch.cuda.device_count() - 1)
+    assert torch.equal(torch.rand(4, generator=resumed.on(last), device=last).cpu(), expected)

@@ -352,19 +352,19 @@ minidp.shutdown()
 print("comm fragment: 20 steps, TopK after 10 exact ones, residuals saved and loaded")
 '''
 TERNGRAD_BEFORE = '''\
-import math  # test_readme: what examples/custom_hook.py imports for it
 import torch
 import minidp
 from minidp import comm
 '''
 TERNGRAD_AFTER = '''\
-# test_readme: the compressor's claims, on one tensor (no process group: rank 0)
+# test_readme: the compressor's claims, on one tensor (outside a hook: rank 0 of 2)
 _g = torch.randn(1000, generator=torch.Generator().manual_seed(0))
 _c = TernGrad()
-_payload, _ctx = _c.compress(_g)
-assert sum(p.numel() * p.element_size() for p in _payload) == _c.payload_bytes([_g.shape], _g.dtype, 2) == 1004
+_ctx = comm.Context.for_tensor(_g, world_size=2)
+_payload = _c.compress(_g, _ctx)
+assert sum(p.numel() * p.element_size() for p in _payload) == _c.payload_bytes(_ctx) == 1004
 assert set(_payload[0].unique().tolist()) <= {-1, 0, 1}
-_mean = sum(_c.decompress(*_c.compress(_g)) for _ in range(2000)) / 2000
+_mean = sum(_c.decompress(_c.compress(_g, _ctx), _ctx) for _ in range(2000)) / 2000
 assert (_mean - _g).abs().max() < 0.25, (_mean - _g).abs().max()  # unbiased: the mean of many draws
 print("TernGrad fragment: unbiased, 1004 bytes for 1000 elements")
 '''

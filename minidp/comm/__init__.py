@@ -7,26 +7,32 @@
     state.stats()                               # {"steps", "bytes_sent", "bytes_dense", "ratio"}
 
 The pieces (GRACE's split, run inside DDP's buckets):
-  compressors.py  Compressor; FP16, BF16 (all-reduced), TopK, QSGD (all-gathered), RandomK (shared
-                  seed, all-reduced)
-  sign.py         Sign: 1 bit + a scale, worker then server stage (DeepSpeed's compressed all-reduce)
-  powersgd.py     PowerSGD(rank): P then Q, warm start, torch's arithmetic
+  interfaces.py   the two kinds of method: Compressor (compress/decompress; one round, exchanged by
+                  minidp.comm) and MultiRound (reduce: its own collectives); payload_bytes optional
+  context.py      Context (rank, world size, step, the bucket's shapes, a private generator), handed
+                  to every method; RandomStream, the hook's checkpointable generator
+  compressors.py  FP16, BF16 (all-reduced), TopK, QSGD (all-gathered), RandomK (shared seed, all-reduced)
+  sign.py         Sign (MultiRound): 1 bit + a scale, worker then server stage (DeepSpeed's)
+  powersgd.py     PowerSGD(rank) (MultiRound): P then Q, warm start, torch's arithmetic
   memory.py       Memory, ErrorFeedback; per-parameter state that survives bucket rebuilds
   transports.py   Transport, TorchDist; allreduce_hook (exact average over any transport)
   cupy_nccl.py    CupyNccl: raw NCCL through CuPy on torch's current stream
-  exchange.py     Job (one bucket) and Channel (a transport that counts bytes)
-  hook.py         compression_hook, CompressionState (the worker thread)
+  exchange.py     Job (one bucket), Channel (a transport that counts bytes), single_round (the
+                  exchange of every Compressor)
+  hook.py         compression_hook, CompressionState (the worker thread, the contexts, the byte check)
   averaging.py    PeriodicAverager (local SGD, the baseline)
 """
 from .averaging import PeriodicAverager
-from .compressors import BF16, FP16, QSGD, Compressor, RandomK, TopK
+from .compressors import BF16, FP16, QSGD, RandomK, TopK
+from .context import Context
 from .cupy_nccl import CupyNccl
 from .exchange import Channel, Job
 from .hook import CompressionState, compression_hook
+from .interfaces import Compressor, MultiRound
 from .memory import ErrorFeedback, Memory
 from .powersgd import PowerSGD
 from .sign import Sign
-from .transports import TorchDist, Transport, allreduce_hook, sum_hook
+from .transports import TorchDist, Transport, allreduce_hook
 
 __all__ = [
     "BF16",
@@ -35,10 +41,12 @@ __all__ = [
     "Channel",
     "CompressionState",
     "Compressor",
+    "Context",
     "CupyNccl",
     "ErrorFeedback",
     "Job",
     "Memory",
+    "MultiRound",
     "PeriodicAverager",
     "PowerSGD",
     "RandomK",
@@ -48,5 +56,4 @@ __all__ = [
     "Transport",
     "allreduce_hook",
     "compression_hook",
-    "sum_hook",
 ]

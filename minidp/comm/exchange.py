@@ -1,7 +1,8 @@
-"""What a compressor works with inside the hook: the bucket as a Job, and a byte-counting Channel.
+"""What a method works with inside the hook: the bucket as a Job, a byte-counting Channel, the single round.
 
 Everything here runs on the hook's worker thread (see hook.py), one bucket after another, so the
-collectives of consecutive buckets are issued in the same order on every rank.
+collectives of consecutive buckets are issued in the same order on every rank. single_round is the
+exchange of every single-round Compressor; a MultiRound method runs its own over the Channel.
 """
 from __future__ import annotations
 
@@ -9,28 +10,26 @@ from dataclasses import dataclass
 
 import torch
 
+from .context import Context
 from .transports import Transport
 
 
 @dataclass
 class Job:
-    """One bucket, as a compressor sees it.
+    """One bucket, as a method sees it.
 
     tensor: the flat bucket (this rank's gradient sum, with the memory's residual already added);
-        `Compressor.reduce` overwrites it with the average over ranks.
-    keys, numels, shapes: each parameter's stable key (see memory.ParamStore), size and shape, in
-        buffer order.
-    world_size, rank: of the transport.
+        the exchange overwrites it with the average over ranks.
+    keys, numels: each parameter's stable key (see memory.ParamStore) and size, in buffer order.
     with_memory: whether a memory wants the residual back.
+    ctx: rank, world size, step, shapes, dtype, device and generator (see context.Context).
     """
 
     tensor: torch.Tensor
     keys: list[int]
     numels: list[int]
-    shapes: list[torch.Size]
-    world_size: int
-    rank: int
     with_memory: bool
+    ctx: Context
 
 
 class Channel:
@@ -84,3 +83,28 @@ class Channel:
                 offset += raw.numel()
             result.append(mine)
         return result
+
+
+def single_round(compressor, job: Job, channel: Channel) -> torch.Tensor | None:
+    """Average job.tensor over ranks in place with a single-round Compressor; the residual if job.with_memory.
+
+    Args:
+        compressor: a comm.Compressor (compress, decompress, aggregate, summable).
+        job: the bucket and its Context.
+        channel: the byte-counting transport.
+    """
+    x, ctx = job.tensor, job.ctx
+    payload = compressor.compress(x, ctx)
+    if not isinstance(payload, (list, tuple)) or not all(isinstance(part, torch.Tensor) for part in payload):
+        raise TypeError(f"compressor={compressor!r}: compress(tensor, ctx) must return a list of tensors (the "
+                        f"payload), got {type(payload).__name__}")
+    residual = x - compressor.decompress(payload, ctx) if job.with_memory else None
+    if compressor.summable:
+        for part in payload:
+            part.div_(ctx.world_size)  # average in the payload's own dtype, as torch's fp16 hook does
+            channel.all_reduce(part)  # ranks meet here
+        x.copy_(compressor.decompress(payload, ctx))
+    else:
+        gathered = channel.all_gather_parts(list(payload))  # ranks meet here
+        x.copy_(compressor.aggregate(gathered, ctx).div_(ctx.world_size))
+    return residual

@@ -10,6 +10,9 @@ decompress, memory update) while backward goes on. Why one thread: multi-round m
 P then Q, Sign's worker then server stage) must issue their collectives in the same order on every
 rank; chaining them in the transport's callbacks would interleave buckets differently per rank.
 On CUDA the worker runs on the stream that was current when the bucket was launched.
+
+The state owns what a method must not reach for globally: each bucket's Context (rank, world size,
+step) and its random generator (seeded from the compressor's seed, saved in state_dict()).
 """
 from __future__ import annotations
 
@@ -20,8 +23,9 @@ import threading
 import torch
 
 from ..validate import check_int
-from .compressors import Compressor
-from .exchange import Channel, Job
+from .context import Context, RandomStream
+from .exchange import Channel, Job, single_round
+from .interfaces import Compressor, MultiRound
 from .memory import Memory
 from .transports import TorchDist, Transport
 
@@ -32,12 +36,15 @@ class CompressionState:
     Build it with compression_hook(); see that function for the arguments.
     """
 
-    def __init__(self, compressor: Compressor, memory: Memory | None, transport: Transport, start_iter: int):
+    def __init__(self, compressor: Compressor | MultiRound, memory: Memory | None, transport: Transport,
+                 start_iter: int):
         self.compressor, self.memory, self.transport, self.start_iter = compressor, memory, transport, start_iter
         self.channel = Channel(transport)
+        # One stream per state, not per device: seeded alike on every rank only if the compressor asks.
+        self.random = RandomStream(compressor.seed + (0 if compressor.shared_seed else transport.rank))
         self.steps = 0  # iterations launched (counted at each iteration's last bucket)
         self.bytes_dense = 0  # what exact all-reduce would have sent
-        self.bytes_analytical = 0  # what the compressors' formulas say was sent
+        self.bytes_analytical = 0  # what payload_bytes declared (checked per bucket), or the count where none
         self._keys: dict[int, int] = {}  # id(parameter) -> stable key, in order of first appearance
         self._key_params: list = []  # keeps the parameters alive, so their ids stay theirs
         self._key_numels: list[int] = []
@@ -57,11 +64,12 @@ class CompressionState:
         if sum(numels) != buffer.numel():
             raise RuntimeError(f"compression_hook: bucket {bucket.index()} holds {buffer.numel()} elements, "
                                f"its parameters {sum(numels)}")
+        ctx = Context(self.transport.rank, self.transport.world_size, self.steps, [p.shape for p in params],
+                      buffer.dtype, buffer.device, self.random.on(buffer.device))
         compress = self.steps >= self.start_iter
         if bucket.is_last():
             self.steps += 1
-        job = Job(buffer, [self._key(p) for p in params], numels, [p.shape for p in params],
-                  self.transport.world_size, self.transport.rank, compress and self.memory is not None)
+        job = Job(buffer, [self._key(p) for p in params], numels, compress and self.memory is not None, ctx)
         cuda = buffer.device.type == "cuda"
         future = torch.futures.Future(devices=[buffer.device]) if cuda else torch.futures.Future()
         stream = torch.cuda.current_stream(buffer.device) if cuda else None
@@ -114,17 +122,33 @@ class CompressionState:
     def _reduce(self, job: Job, compress: bool) -> None:
         dense = job.tensor.numel() * job.tensor.element_size()
         if not compress:  # before start_iter: exact average, torch's allreduce_hook arithmetic
-            job.tensor.div_(job.world_size)
+            job.tensor.div_(job.ctx.world_size)
             self.channel.all_reduce(job.tensor)  # ranks meet here
             self.bytes_analytical += dense
         else:
             if job.with_memory:
                 self.memory.compensate(job.tensor, job.keys, job.numels)
-            residual = self.compressor.reduce(job, self.channel)  # ranks meet here (one or more rounds)
+            before = self.channel.bytes_sent
+            if isinstance(self.compressor, MultiRound):
+                residual = self.compressor.reduce(job, self.channel)  # ranks meet here (one or more rounds)
+            else:
+                residual = single_round(self.compressor, job, self.channel)  # ranks meet here
             if job.with_memory:
                 self.memory.update(residual, job.keys, job.numels)
-            self.bytes_analytical += self.compressor.payload_bytes(job.shapes, job.tensor.dtype, job.world_size)
+            self.bytes_analytical += self._declared_bytes(job.ctx, self.channel.bytes_sent - before)
         self.bytes_dense += dense
+
+    def _declared_bytes(self, ctx: Context, sent: int) -> int:
+        """payload_bytes(ctx) checked against the bytes the channel counted (`sent` when not declared)."""
+        declared = self.compressor.payload_bytes(ctx)
+        if declared is None:
+            return sent
+        if declared != sent:  # the same on every rank (same shapes): every rank raises, none waits
+            raise RuntimeError(f"compressor={self.compressor!r}: payload_bytes declares {declared} bytes for a "
+                               f"bucket of shapes {[tuple(s) for s in ctx.shapes]} ({ctx.dtype}, world size "
+                               f"{ctx.world_size}), but {sent} were handed to collectives; fix payload_bytes, or "
+                               "remove it (the channel counts the bytes)")
+        return declared
 
     # ---- between steps ------------------------------------------------------------------------
 
@@ -135,12 +159,12 @@ class CompressionState:
         return {"steps": self.steps, "bytes_sent": sent, "bytes_dense": dense, "ratio": sent / dense if dense else 0.0}
 
     def state_dict(self) -> dict:
-        """Residuals, memories, generators and counters of this rank (tensors and plain values only)."""
+        """Residuals, memories, the random generator and counters of this rank (tensors and plain values only)."""
         self._queue.join()  # no bucket in flight
         return {"steps": self.steps, "bytes_sent": self.channel.bytes_sent, "bytes_dense": self.bytes_dense,
                 "bytes_analytical": self.bytes_analytical, "param_numels": list(self._key_numels),
                 "memory": self.memory.state_dict() if self.memory is not None else None,
-                "compressor": self.compressor.state_dict()}
+                "compressor": self.compressor.state_dict(), "generator": self.random.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what state_dict() returned (on the same rank), before the next step."""
@@ -157,6 +181,8 @@ class CompressionState:
         if self.memory is not None:
             self.memory.load_state_dict(state["memory"])
         self.compressor.load_state_dict(state["compressor"])
+        if "generator" in state:  # absent in states saved before the hook owned the generator
+            self.random.load_state_dict(state["generator"])
 
     def close(self) -> None:
         """Stop the worker thread once the queued buckets are done; a later bucket starts a new one.
@@ -189,21 +215,22 @@ def hook(state, bucket):  # no annotations: torch DDP accepts only its exact one
     return state.launch(bucket)  # ranks meet on the worker thread (async)
 
 
-def compression_hook(compressor: Compressor, memory: Memory | None = None, transport: Transport | None = None,
-                     start_iter: int = 0):
+def compression_hook(compressor: Compressor | MultiRound, memory: Memory | None = None,
+                     transport: Transport | None = None, start_iter: int = 0):
     """(state, hook) for model.register_comm_hook(state, hook): compressed averaging of every bucket.
 
     Every rank must call it (the default transport makes a process group).
 
     Args:
-        compressor: a comm compressor (FP16(), BF16(), TopK(r), RandomK(r), QSGD(s), Sign(), PowerSGD(r))
-            or your own Compressor subclass.
+        compressor: a comm method (FP16(), BF16(), TopK(r), RandomK(r), QSGD(s), Sign(), PowerSGD(r)), or
+            your own comm.Compressor (single round) or comm.MultiRound subclass.
         memory: comm.ErrorFeedback() or another Memory; None (default): no error feedback.
         transport: comm.TorchDist(group) or comm.CupyNccl(); None (default): TorchDist() over the world.
         start_iter: iterations averaged exactly before compression starts. Default 0.
     """
-    if not isinstance(compressor, Compressor):
-        raise TypeError(f"compressor={compressor!r} must be a minidp.comm Compressor (e.g. comm.TopK(0.01))")
+    if not isinstance(compressor, (Compressor, MultiRound)):
+        raise TypeError(f"compressor={compressor!r} must be a minidp.comm Compressor or MultiRound "
+                        "(e.g. comm.TopK(0.01))")
     if memory is not None and not isinstance(memory, Memory):
         raise TypeError(f"memory={memory!r} must be a minidp.comm Memory (e.g. comm.ErrorFeedback()) or None")
     if transport is not None and not isinstance(transport, Transport):

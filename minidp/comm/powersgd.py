@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from ..validate import check_bool, check_int, check_number
-from .compressors import Compressor
 from .exchange import Channel, Job
+from .interfaces import MultiRound
 from .memory import ParamStore
 
 
@@ -40,7 +40,7 @@ def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
         torch.linalg.qr(matrices, out=(matrices, r_factor))
 
 
-class PowerSGD(Compressor):
+class PowerSGD(MultiRound):
     """Rank-`rank` PowerSGD; pair it with memory=comm.ErrorFeedback() (error feedback) as the paper does.
 
     Args:
@@ -75,10 +75,11 @@ class PowerSGD(Compressor):
                 uncompressed.append(i)
         return [item for group in groups.values() for item in group], uncompressed
 
-    def payload_bytes(self, shapes, dtype, world_size):
-        compressed, uncompressed = self._plan(shapes)
-        elements = sum(int(np.prod(shapes[i])) for i in uncompressed) + sum((n + m) * r for _, n, m, r in compressed)
-        return elements * torch.empty((), dtype=dtype).element_size()
+    def payload_bytes(self, ctx):
+        compressed, uncompressed = self._plan(ctx.shapes)
+        plain = sum(int(np.prod(ctx.shapes[i])) for i in uncompressed)
+        elements = plain + sum((n + m) * r for _, n, m, r in compressed)
+        return elements * ctx.dtype.itemsize
 
     def _starting_qs(self, job: Job, compressed: list) -> tuple[torch.Tensor, list]:
         """This step's Q matrices (one flat tensor and (1, m, r) views), warm or freshly random, orthogonalized."""
@@ -98,11 +99,11 @@ class PowerSGD(Compressor):
         return q_flat, qs
 
     def reduce(self, job: Job, channel: Channel) -> torch.Tensor | None:
-        x, ws = job.tensor, job.world_size
+        x, ws, shapes = job.tensor, job.ctx.world_size, job.ctx.shapes
         original = x.clone() if job.with_memory else None
         offsets = np.cumsum([0, *job.numels]).tolist()
-        views = [x[offsets[i]:offsets[i + 1]].view(shape) for i, shape in enumerate(job.shapes)]
-        compressed, uncompressed = self._plan(job.shapes)
+        views = [x[offsets[i]:offsets[i + 1]].view(shape) for i, shape in enumerate(shapes)]
+        compressed, uncompressed = self._plan(shapes)
         matrices = [views[i].view(1, n, m) for i, n, m, _ in compressed]
         q_flat, qs = self._starting_qs(job, compressed)
         p_flat = x.new_empty(sum(n * r for _, n, _, r in compressed))

@@ -18,8 +18,8 @@ import math
 
 import torch
 
-from .compressors import Compressor, numel
 from .exchange import Channel, Job
+from .interfaces import MultiRound
 from .memory import ParamStore
 
 _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)  # most significant bit first (numpy's)
@@ -47,7 +47,7 @@ def chunk_size(n: int, world_size: int) -> int:
     return math.ceil(n / (8 * world_size)) * 8
 
 
-class Sign(Compressor):
+class Sign(MultiRound):
     """1-bit sign compression with a scale, two stages (worker and server), as DeepSpeed's compressed all-reduce.
 
     Bytes per bucket of n elements (N = n padded to world_size chunks of whole bytes): N/8 for the
@@ -58,12 +58,12 @@ class Sign(Compressor):
     def __init__(self):
         self.server = ParamStore()  # per parameter: this rank's server error (zero outside its chunk)
 
-    def payload_bytes(self, shapes, dtype, world_size):
-        chunk = chunk_size(numel(shapes), world_size)
-        return chunk * world_size // 8 + chunk // 8 + 2 * torch.empty((), dtype=dtype).element_size()
+    def payload_bytes(self, ctx):
+        chunk = chunk_size(ctx.numel, ctx.world_size)
+        return chunk * ctx.world_size // 8 + chunk // 8 + 2 * ctx.dtype.itemsize
 
     def reduce(self, job: Job, channel: Channel) -> torch.Tensor | None:
-        x, n, ws, rank = job.tensor, job.tensor.numel(), job.world_size, job.rank
+        x, n, ws, rank = job.tensor, job.tensor.numel(), job.ctx.world_size, job.ctx.rank
         chunk = chunk_size(n, ws)
         server_error = None
         if job.with_memory:
@@ -100,6 +100,3 @@ class Sign(Compressor):
 
     def load_state_dict(self, state):
         self.server.load_state_dict(state["server_errors"])
-
-    def __repr__(self):
-        return "Sign()"

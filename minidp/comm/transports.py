@@ -94,8 +94,3 @@ def allreduce_hook(transport, bucket):  # no annotations: torch DDP accepts only
     buffer.div_(transport.world_size)
     fut = transport.all_reduce(buffer)  # ranks meet here (async)
     return fut.then(lambda _: buffer)
-
-
-def sum_hook(transport, bucket):  # no annotations (as allreduce_hook)
-    """The engine's default path over a transport: grads arrive pre-scaled by 1/world_size; sum in place."""
-    return transport.all_reduce(bucket.buffer())  # ranks meet here (async)
