@@ -4,7 +4,9 @@ What it changes in the core: nothing but the bucket. torch DDP's option saves th
 copy of the gradients and the copy back after the all-reduce: the first copy into the bucket makes
 `.grad` the bucket's view, so from the next iteration on autograd accumulates into the bucket itself;
 the copy-in then only divides in place (as DDP does: `div_`, not a multiply by the reciprocal), and
-the reduced buffer already is the gradients. `ViewBucket` answers the same calls as buckets.Bucket.
+the reduced buffer already is the gradients. Every gradient of such a bucket waits for its launch
+(layout.copy_later), where the divisions are one op over the flat buffer, not one Python-issued op
+per gradient. `ViewBucket` answers the same calls as buckets.Bucket.
 """
 from __future__ import annotations
 
@@ -18,19 +20,24 @@ class ViewBucket(Bucket):
 
     def __init__(self, index: int, param_indices: list[int], params: list):
         super().__init__(index, param_indices, params)
+        self.params = params
         for slot, i in enumerate(self.param_indices):  # a new layout adopts the existing gradients, as DDP's
             if params[i].grad is not None:
                 self.views[slot].copy_(params[i].grad)
                 params[i].grad = self.views[slot]
 
-    def copy_in(self, slot: int, param, grad: torch.Tensor, divisor: Divisor | None) -> None:
-        view = self.views[slot]
-        if grad.data_ptr() == view.data_ptr():  # already in the bucket: as DDP, divided in place
-            if divisor is not None:
-                view.div_(divisor.value)
-            return
-        super().copy_in(slot, param, grad, divisor)
-        param.grad = view  # from now on the gradient lives in the bucket
+    def copy_later(self, waiting: list, divisor: Divisor | None) -> None:
+        """At launch: divide the gradients already in the bucket in place, copy in the others (`.grad` -> view)."""
+        copied = [(slot, grad) for slot, grad in waiting if grad.data_ptr() != self.views[slot].data_ptr()]
+        if copied:  # a gradient made outside the bucket (first iteration, or .grad set to None)
+            super().copy_later(copied, divisor)  # multiplied by 1/N while copying, as DDP
+            for slot, _ in copied:
+                self.params[self.param_indices[slot]].grad = self.views[slot]
+        in_place = [self.views[slot] for slot, grad in waiting if grad.data_ptr() == self.views[slot].data_ptr()]
+        if divisor is not None and len(in_place) == len(self.views):
+            self.buffer.div_(divisor.value)  # the usual step: one op over the flat buffer
+        elif divisor is not None and in_place:
+            torch._foreach_div_(in_place, divisor.value)
 
     def write_back(self, result: torch.Tensor, params: list, unused: set) -> None:
         for slot, i in enumerate(self.param_indices):
