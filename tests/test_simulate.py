@@ -18,6 +18,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST, SLOW = Link(1e-5, 1e10), Link(1e-4, 1e9)
 
 
+def _record_second_step(model, batch: int):
+    """Two steps (the first learns the ready order, the second runs the rebuilt buckets): the second's
+    timeline events, and the parameters' byte sizes."""
+    for _ in range(2):
+        timeline = model.enable_timeline()
+        timeline.record("forward_start")
+        loss = model(torch.randn(batch, 8)).pow(2).mean()
+        timeline.record("backward_start")
+        loss.backward()
+        timeline.record("step_end")
+    sizes = {n: p.numel() * p.element_size() for n, p in model.module.named_parameters()}
+    return timeline.snapshot(), sizes
+
+
 def test_allreduce_costs():
     one_node = Network(FAST, SLOW, ranks_per_node=8)
     s = 8 * MIB
@@ -57,15 +71,7 @@ def _ddp_layouts_worker():
     for cap in CAPS:
         # width 1024: a 4 MiB weight, so the default's 1 MiB first bucket closes before the rest.
         model = minidp.DDP(MLP(width=1024), bucket_cap_mb=cap)
-        for _ in range(2):  # the first step learns the ready order, the second runs the rebuilt buckets
-            timeline = model.enable_timeline()
-            timeline.record("forward_start")
-            loss = model(torch.randn(4, 8)).pow(2).mean()
-            timeline.record("backward_start")
-            loss.backward()
-            timeline.record("step_end")
-        sizes = {n: p.numel() * p.element_size() for n, p in model.module.named_parameters()}
-        out[cap] = (timeline.snapshot(), sizes, model.bucket_plan())
+        out[cap] = (*_record_second_step(model, batch=4), model.bucket_plan())
     return out
 
 
@@ -116,15 +122,7 @@ def _record_one_step_worker():
     try:
         torch.manual_seed(0)
         model = minidp.DDP(MLP(width=256), bucket_cap_mb=0.05)
-        for _ in range(2):  # the second step uses the rebuilt buckets
-            timeline = model.enable_timeline()
-            timeline.record("forward_start")
-            loss = model(torch.randn(16, 8)).pow(2).mean()
-            timeline.record("backward_start")
-            loss.backward()
-            timeline.record("step_end")
-        sizes = {n: p.numel() * p.element_size() for n, p in model.module.named_parameters()}
-        return timeline.snapshot(), sizes
+        return _record_second_step(model, batch=16)
     finally:
         minidp.shutdown()
 
