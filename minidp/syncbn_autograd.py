@@ -57,7 +57,10 @@ def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
         dist.all_gather(parts, t, group=group)  # ranks meet here
         return torch.stack(parts)
     out = torch.empty(world, t.numel(), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t, group=group)  # ranks meet here
+    # torch 2.14 renamed all_gather_into_tensor to all_gather_single (the old name warns); older torch
+    # only has the old name.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, t, group=group)  # ranks meet here
     return out
 
 

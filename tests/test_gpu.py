@@ -83,6 +83,30 @@ def test_timeline_watch_puts_cuda_events_on_the_host_clock(monkeypatch):
     assert timeline.snapshot() == sorted(timeline.snapshot(), key=lambda e: e[1])  # converted once, kept
 
 
+def test_reducer_recorder_takes_the_gpu_start_at_launch_before_the_work_is_queued(monkeypatch):
+    """A transport on the current stream queues its work between launch() and watch(): a start event
+    recorded in watch() would follow that work (issue 22, item 6), so launch() records it."""
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    class Reducer:  # what the recorder reads
+        device = torch.device("cuda", 0)
+
+    timeline, future = Timeline(), torch.futures.Future()
+    recorder = timeline_module.ReducerRecorder(timeline, Reducer())
+    before_launch = time.perf_counter_ns()
+    recorder.launch(0)
+    time.sleep(0.05)  # the work queued on the current stream (50 ms on the made-up GPU clock too)
+    queued = time.perf_counter_ns()
+    recorder.watch(0, future)
+    future.set_result(torch.ones(1))
+    events = {kind: stamp for kind, stamp, _ in timeline.snapshot()}
+    slack = 1_000_000
+    assert before_launch - slack <= events["gpu_start"] <= queued - 40_000_000  # taken at launch, not at watch
+    assert events["gpu_end"] - events["gpu_start"] >= 45_000_000  # the span covers the queued work
+
+
 # ---- timeline on a real GPU ------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -307,3 +307,20 @@ def _ddp_worker():
 
 def test_with_ddp_and_lars_equals_one_process():
     assert max(run_ranks(_ddp_worker, 2)) <= TOL
+
+
+def test_the_fused_all_gather_uses_torchs_current_name_without_a_warning(monkeypatch):
+    """torch 2.14 deprecates dist.all_gather_into_tensor (a FutureWarning) for dist.all_gather_single."""
+    import warnings
+
+    from minidp import syncbn_autograd
+
+    calls = []
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    if hasattr(dist, "all_gather_single"):
+        monkeypatch.setattr(dist, "all_gather_single", lambda out, t, group=None: calls.append("single"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a FutureWarning from the old name fails the test
+        out = syncbn_autograd._all_gather(torch.ones(3), group=object())
+    assert out.shape == (2, 3) and calls == (["single"] if hasattr(dist, "all_gather_single") else [])

@@ -16,10 +16,11 @@ The pieces (GRACE's split, run inside DDP's buckets):
   powersgd.py     PowerSGD(rank) (MultiRound): P then Q, warm start, torch's arithmetic
   memory.py       Memory, ErrorFeedback; per-parameter state that survives bucket rebuilds
   transports.py   Transport, TorchDist; allreduce_hook (exact average over any transport)
-  cupy_nccl.py    CupyNccl: raw NCCL through CuPy on torch's current stream
+  cupy_nccl.py    CupyNccl: raw NCCL through CuPy, on its own stream (the caller waits at the future)
   exchange.py     Job (one bucket), Channel (a transport that counts bytes), single_round (the
                   exchange of every Compressor)
-  hook.py         compression_hook, CompressionState (the worker thread, the contexts, the byte check)
+  hook.py         compression_hook, CompressionState (the worker thread and its side stream, the
+                  contexts, the byte check)
   averaging.py    PeriodicAverager (local SGD, the baseline)
 """
 from .averaging import PeriodicAverager

@@ -1,9 +1,12 @@
 """CupyNccl: raw NCCL through cupy.cuda.nccl.NcclCommunicator, on torch CUDA tensors, in place.
 
-Every collective is enqueued on torch's current CUDA stream, so work queued after it on that stream
-sees the result, exactly as after torch's own NCCL collectives. The returned future is already
-complete (stream semantics: its wait() makes the waiting stream wait for the collective); the
-tensors are kept alive here until the GPU has finished with them.
+Streams, as torch's own NCCL process group: every collective runs on this transport's own stream,
+which first waits on an event recorded on the caller's current stream (the inputs are ready there).
+The returned future is already complete on the host, with stream semantics: its wait() makes the
+waiting stream wait on an event recorded on the NCCL stream after the collective. So the caller's
+stream waits only where it waits on the future, and kernels queued meanwhile (the rest of backward)
+run beside the collective instead of behind the slowest rank. The tensors are kept alive here until
+the GPU has finished with them (the caching allocator must not hand their memory out before).
 
 `import cupy` only, never a wheel name: cupy-cuda12x and cupy-cuda13x both install the `cupy` module.
 """
@@ -82,6 +85,7 @@ class CupyNccl(Transport):
         with cupy.cuda.Device(self.device.index):
             uid = uid if _takes_bytes() else tuple(b - 256 if b > 127 else b for b in uid)
             self.comm = nccl.NcclCommunicator(self.world_size, uid, self.rank)  # ranks meet here
+        self.stream = torch.cuda.Stream(device=self.device)  # NCCL's own stream (see the module docstring)
         self._inflight, self._lock = [], threading.Lock()
 
     def check_device(self, device: torch.device) -> None:
@@ -97,39 +101,46 @@ class CupyNccl(Transport):
             raise TypeError(f"transport={self!r} cannot send dtype {tensor.dtype}")
         return tensor.data_ptr()
 
-    def _done(self, stream, result: torch.Tensor, *keep: torch.Tensor) -> torch.futures.Future:
+    def _begin(self) -> int:
+        """The NCCL stream, made to wait on the caller's current stream (where the inputs were written)."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # NCCL stream waits on the caller's
+        return self.stream.cuda_stream
+
+    def _done(self, result: torch.Tensor, *keep: torch.Tensor) -> torch.futures.Future:
         """A completed future (stream semantics); `keep` stays referenced until the GPU is past the op."""
         event = torch.cuda.Event()
-        event.record(stream)
+        event.record(self.stream)
         with self._lock:
             self._inflight = [(e, t) for e, t in self._inflight if not e.query()] + [(event, (result, *keep))]
         fut = torch.futures.Future(devices=[result.device])
-        fut.set_result(result)  # records an event on the current stream; wait() syncs with it
+        with torch.cuda.stream(self.stream):
+            # Records an event on the NCCL stream: a wait() makes the waiting stream wait on the collective.
+            fut.set_result(result)
         return fut
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        ptr, stream = self._ptr(tensor), torch.cuda.current_stream(tensor.device)
+        ptr = self._ptr(tensor)
         self.comm.allReduce(ptr, ptr, tensor.numel(), self._dtypes[tensor.dtype], self._nccl.NCCL_SUM,
-                            stream.cuda_stream)  # ranks meet here (async, on the stream)
-        return self._done(stream, tensor)
+                            self._begin())  # ranks meet here (async, on the NCCL stream)
+        return self._done(tensor)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.futures.Future:
-        stream = torch.cuda.current_stream(input.device)
-        self.comm.allGather(self._ptr(input), self._ptr(output), input.numel(), self._dtypes[input.dtype],
-                            stream.cuda_stream)  # ranks meet here (async, on the stream)
-        return self._done(stream, output, input)
+        src, dst = self._ptr(input), self._ptr(output)
+        self.comm.allGather(src, dst, input.numel(), self._dtypes[input.dtype],
+                            self._begin())  # ranks meet here (async, on the NCCL stream)
+        return self._done(output, input)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> torch.futures.Future:
         """Grouped send/recv (NCCL has no all-to-all call): chunk r of input to rank r."""
-        stream, chunk = torch.cuda.current_stream(input.device), input.numel() // self.world_size
+        chunk = input.numel() // self.world_size
         src, dst, size = self._ptr(input), self._ptr(output), chunk * input.element_size()
-        kind = self._dtypes[input.dtype]
+        kind, stream = self._dtypes[input.dtype], self._begin()
         self._nccl.groupStart()
-        for peer in range(self.world_size):  # ranks meet here (async, on the stream)
-            self.comm.send(src + peer * size, chunk, kind, peer, stream.cuda_stream)
-            self.comm.recv(dst + peer * size, chunk, kind, peer, stream.cuda_stream)
+        for peer in range(self.world_size):  # ranks meet here (async, on the NCCL stream)
+            self.comm.send(src + peer * size, chunk, kind, peer, stream)
+            self.comm.recv(dst + peer * size, chunk, kind, peer, stream)
         self._nccl.groupEnd()
-        return self._done(stream, output, input)
+        return self._done(output, input)
 
     def __repr__(self) -> str:
         return f"CupyNccl(world_size={self.world_size}, device={self.device})"

@@ -9,7 +9,14 @@ buckets in the order DDP launched them and runs each one's whole exchange (compr
 decompress, memory update) while backward goes on. Why one thread: multi-round methods (PowerSGD's
 P then Q, Sign's worker then server stage) must issue their collectives in the same order on every
 rank; chaining them in the transport's callbacks would interleave buckets differently per rank.
-On CUDA the worker runs on the stream that was current when the bucket was launched.
+
+Streams on CUDA: the worker runs every exchange on a side stream of its own (one per device), which
+first waits on an event recorded on the launching (compute) stream when the bucket was launched, so
+it reads the finished bucket. The compute stream never waits on the exchange's collectives except
+where the engine's finalize waits on the bucket's future. Why: if the compute stream waited on each
+collective as it went (a collective's wait() makes the *current* stream wait), a blocking collective
+of the model's own group in backward (SyncBatchNorm's all-reduce) could be ordered before a bucket's
+exchange on one rank and after it on another, on that one stream: a cycle between the ranks (a hang).
 
 The state owns what a method must not reach for globally: each bucket's Context (rank, world size,
 step) and its random generator (seeded from the compressor's seed, saved in state_dict()).
@@ -52,6 +59,7 @@ class CompressionState:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: str | None = None
+        self._streams: dict = {}  # CUDA device -> the worker's side stream (made on first use)
 
     # ---- on the autograd thread ---------------------------------------------------------------
 
@@ -72,11 +80,14 @@ class CompressionState:
         job = Job(buffer, [self._key(p) for p in params], numels, compress and self.memory is not None, ctx)
         cuda = buffer.device.type == "cuda"
         future = torch.futures.Future(devices=[buffer.device]) if cuda else torch.futures.Future()
-        stream = torch.cuda.current_stream(buffer.device) if cuda else None
+        launched = None
+        if cuda:  # the bucket is complete on the compute stream here: the side stream starts from this point
+            launched = torch.cuda.Event()
+            launched.record(torch.cuda.current_stream(buffer.device))
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="minidp-comm", daemon=True)
             self._thread.start()
-        self._queue.put((job, compress, future, stream))
+        self._queue.put((job, compress, future, launched))
         return future
 
     def _check(self, buffer: torch.Tensor) -> None:
@@ -106,18 +117,30 @@ class CompressionState:
             if item is None:  # close()
                 self._queue.task_done()
                 return
-            job, compress, future, stream = item
+            job, compress, future, launched = item
             try:
                 if self._error:  # a failed bucket leaves the ranks out of step: do not start more collectives
                     raise RuntimeError(f"compression_hook: an earlier bucket failed: {self._error}")
-                with _on(stream):
+                with _on(self._side_stream(job.tensor.device, launched)):
                     self._reduce(job, compress)
-                    future.set_result(job.tensor)  # on CUDA: records an event on this stream
+                    # On CUDA: records an event on the side stream; the finalize's future.wait() makes the
+                    # compute stream wait on it: the one place the compute stream waits on the exchange.
+                    future.set_result(job.tensor)
             except Exception as exc:  # noqa: BLE001 - handed to whoever waits on the bucket
                 self._error = self._error or f"{type(exc).__name__}: {exc}"
                 future.set_exception(exc)
             finally:
                 self._queue.task_done()
+
+    def _side_stream(self, device: torch.device, launched):
+        """The worker's side stream on `device`, waiting for the launch event (None on CPU)."""
+        if launched is None:
+            return None
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        stream.wait_event(launched)  # side stream waits on the compute stream: the bucket is complete
+        return stream
 
     def _reduce(self, job: Job, compress: bool) -> None:
         dense = job.tensor.numel() * job.tensor.element_size()
@@ -152,15 +175,25 @@ class CompressionState:
 
     # ---- between steps ------------------------------------------------------------------------
 
+    def _idle(self) -> None:
+        """Wait until no bucket is queued; on CUDA the caller's stream then waits for the side streams.
+
+        Why: the memories and residuals are written on the side streams; the caller reads or overwrites
+        them on its own stream (state_dict, load_state_dict), so its stream must wait first.
+        """
+        self._queue.join()
+        for device, stream in self._streams.items():
+            torch.cuda.current_stream(device).wait_stream(stream)  # caller's stream waits on the side stream
+
     def stats(self) -> dict:
         """This rank since the start: steps, bytes handed to collectives, bytes exact all-reduce would send."""
-        self._queue.join()
+        self._idle()
         sent, dense = self.channel.bytes_sent, self.bytes_dense
         return {"steps": self.steps, "bytes_sent": sent, "bytes_dense": dense, "ratio": sent / dense if dense else 0.0}
 
     def state_dict(self) -> dict:
         """Residuals, memories, the random generator and counters of this rank (tensors and plain values only)."""
-        self._queue.join()  # no bucket in flight
+        self._idle()  # no bucket in flight
         return {"steps": self.steps, "bytes_sent": self.channel.bytes_sent, "bytes_dense": self.bytes_dense,
                 "bytes_analytical": self.bytes_analytical, "param_numels": list(self._key_numels),
                 "memory": self.memory.state_dict() if self.memory is not None else None,
@@ -168,7 +201,7 @@ class CompressionState:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what state_dict() returned (on the same rank), before the next step."""
-        self._queue.join()
+        self._idle()
         known = self._key_numels[:len(state["param_numels"])]
         if known != state["param_numels"][:len(known)]:
             raise ValueError(f"state_dict: parameter sizes {state['param_numels']} do not match this model's "

@@ -90,10 +90,14 @@ class PowerSGD(MultiRound):
             qs.append(q_flat[offset:offset + m * r].view(1, m, r))
             offset += m * r
         if compressed and (missing or not self.warm_start):
-            # As torch: one numpy draw seeds a CPU generator that fills every Q of the bucket in order.
+            # As torch: one numpy draw seeds a CPU generator that fills every Q of the bucket in order
+            # (torch's values on every device). On CUDA the draws go to pinned memory and are copied
+            # without making the host wait (torch's pageable copy does); the caching host allocator
+            # keeps the pinned block until the copy is done.
             gen = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
+            pinned = job.tensor.is_cuda
             for q in qs:
-                q.copy_(torch.randn(*q.shape, generator=gen, dtype=q.dtype))
+                q.copy_(torch.randn(*q.shape, generator=gen, dtype=q.dtype, pin_memory=pinned), non_blocking=pinned)
         for q in qs:
             orthogonalize(q, self.epsilon)
         return q_flat, qs

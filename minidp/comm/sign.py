@@ -22,18 +22,25 @@ from .exchange import Channel, Job
 from .interfaces import MultiRound
 from .memory import ParamStore
 
-_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)  # most significant bit first (numpy's)
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    """[7, 6, ..., 0] as uint8 on `device`: most significant bit first (numpy's packbits order).
+
+    Made on the device by one kernel on the current stream, never copied from host memory: a copy
+    from a pageable CPU tensor would make the host wait (4 per bucket per step). Not cached across
+    calls: a tensor made on one stream and read on another would need a cross-stream wait.
+    """
+    return torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Bools (length a multiple of 8) to uint8, 8 per byte, first element in the top bit."""
-    shifts = _SHIFTS.to(bits.device)
-    return (bits.view(-1, 8).to(torch.uint8) << shifts).sum(1, dtype=torch.uint8)
+    return (bits.view(-1, 8).to(torch.uint8) << _shifts(bits.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """uint8 (any shape) to +-1 values, 8 per byte: shape (*packed.shape[:-1], 8 * packed.shape[-1])."""
-    bits = (packed.unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 1
+    bits = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 1
     return bits.to(dtype).mul_(2).sub_(1).flatten(-2)
 
 

@@ -11,8 +11,10 @@ add its own with `record()`: "forward_start", "backward_start" and "step_end" ar
 
 On CUDA, "done" is when the host saw the future complete, and an NCCL future completes when the
 all-reduce is *enqueued*: its launch -> done span says nothing about the GPU. So watch(device=...)
-also records CUDA events: one on the current stream at launch (the bucket's inputs are ready
-there), one on the stream the future's callback runs on (it waits for the collective's result).
+also records CUDA events: one on the current stream at launch, before the work is queued (the
+bucket's inputs are ready there; recorded after, it would follow work a transport queues on the
+current stream, and the span would shrink to nothing), one on the stream the future's callback runs
+on (it waits for the collective's result).
 snapshot() turns them into "gpu_start"/"gpu_end" events on the host clock, with one device sync,
 anchored at an event the host waited for. The GPU span includes waiting behind earlier buckets on
 the communication stream.
@@ -57,20 +59,22 @@ class Timeline:
         with self._lock:
             self.events.append((kind, stamp, fields))
 
-    def watch(self, future, device=None, **fields) -> None:
+    def watch(self, future, device=None, start=None, **fields) -> None:
         """Record a "done" event when `future` completes (called on the thread that completes it).
 
         Args:
             future: the communication's future, e.g. a bucket's.
             device: the device of the tensors it communicates. On CUDA the GPU time of the work is
                 recorded too (see the module's docstring). Default None: the host event only.
+            start: on CUDA, the timing event recorded before the work was queued (gpu_start_event()).
+                Default None: one recorded now on the current stream (right only for work queued on
+                another stream).
             fields: stored with the events, e.g. bucket=3.
         """
         if device is None or torch.device(device).type != "cuda":
             future.add_done_callback(lambda _: self.record("done", **fields))
             return
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(torch.cuda.current_stream(device))  # after whatever produced the inputs
+        start = start if start is not None else gpu_start_event(device)
         pending = [device, fields, start, None]
         with self._lock:
             self._gpu_pending.append(pending)
@@ -148,6 +152,7 @@ class ReducerRecorder(RecorderOff):
     def __init__(self, timeline: Timeline, reducer):
         self.timeline, self.reducer = timeline, reducer
         self._plan, self._bucket_of = None, {}  # parameter -> bucket index, for the current plan
+        self._starts = {}  # bucket -> CUDA start event recorded at launch, until watch() takes it
 
     def grad_ready(self, index: int) -> None:
         plan = self.reducer.layout.plan
@@ -156,14 +161,24 @@ class ReducerRecorder(RecorderOff):
         self.timeline.record("grad_ready", param=self.reducer.names[index], bucket=self._bucket_of[index])
 
     def launch(self, bucket: int) -> None:
+        """Called before the bucket's work is queued: the host time, and on CUDA the GPU's start event."""
         self.timeline.record("launch", bucket=bucket)
+        if self.reducer.device.type == "cuda":
+            self._starts[bucket] = gpu_start_event(self.reducer.device)
 
     def watch(self, bucket: int, future) -> None:
-        self.timeline.watch(future, device=self.reducer.device, bucket=bucket)
+        self.timeline.watch(future, device=self.reducer.device, start=self._starts.pop(bucket, None), bucket=bucket)
 
     def event(self, kind: str) -> None:
         """"backward_end", "finalize_end", "failed_iteration_closed"."""
         self.timeline.record(kind)
+
+
+def gpu_start_event(device) -> torch.cuda.Event:
+    """A timing event on `device`'s current stream, recorded now: after what produced the inputs."""
+    start = torch.cuda.Event(enable_timing=True)
+    start.record(torch.cuda.current_stream(device))
+    return start
 
 
 def _host_anchor(device: torch.device):
