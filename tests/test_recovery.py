@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
 from harness import run_ranks
+from minidp.engine.recovery import status_on_host
 
 STEPS, SHARD = 6, 4
 CAP_MB = 0.004  # two buckets once rebuilt: the failure falls between them (one launched, one not)
@@ -53,6 +54,10 @@ def _scenarios(world_size):
         "one_rank_find_unused_bucket_view": {"step": 2, "ranks": [0],
                                              "ddp": {"find_unused_parameters": True,
                                                      "gradient_as_bucket_view": True}},
+        # recovery.status_on_host: the status on CPU tensors over a gloo copy of the group (no GPU read)
+        "one_rank_status_on_host": {"step": 3, "ranks": [last], "host_status": True},
+        "one_rank_find_unused_status_on_host": {"step": 2, "ranks": [0], "host_status": True,
+                                                "ddp": {"find_unused_parameters": True}},
     }
 
 
@@ -65,6 +70,9 @@ def _train(engine, cfg, fail: bool, steps=STEPS):
         for p in model.parameters():
             p.add_(0.01 * rank)  # rank 0's weights must win
     wrapped = engine(model, bucket_cap_mb=CAP_MB, **cfg.get("ddp", {}))
+    if cfg.get("host_status") and engine is minidp.DDP:
+        status_on_host(wrapped)  # ranks meet here (a new gloo group)
+        assert wrapped.reducer.status_group is not None
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.05, momentum=0.9)
     gen, errors = torch.Generator().manual_seed(1234), []
     for step in range(steps):
@@ -103,7 +111,8 @@ def results(request):
 
 
 @pytest.mark.parametrize("scenario", ["every_rank", "one_rank", "one_rank_first_iteration",
-                                      "one_rank_find_unused_bucket_view"])
+                                      "one_rank_find_unused_bucket_view", "one_rank_status_on_host",
+                                      "one_rank_find_unused_status_on_host"])
 def test_training_goes_on_with_equal_ranks(results, scenario):
     world_size, per_rank = results
     cfg = _scenarios(world_size)[scenario]
@@ -124,3 +133,8 @@ def test_torch_ddp_refuses_later_steps(results):
     for errors in (result["torch_ddp"] for result in per_rank):
         assert [step for step, _ in errors] == [2, 3, 4]
         assert all("Expected to have finished reduction in the prior iteration" in m for _, m in errors[1:])
+
+
+def test_status_on_host_checks_its_model():
+    with pytest.raises(TypeError, match=r"status_on_host: model=Linear must be a minidp.DDP"):
+        status_on_host(nn.Linear(2, 2))

@@ -11,7 +11,14 @@ stay equal. Zeros rather than a partial buffer: the values are discarded everywh
 
 The status all-reduce runs at the end of every synced step (reducer.end_step): one flag per rank
 (did its backward fail?) and, when the readiness policy counts use, how many ranks produced each
-parameter's gradient.
+parameter's gradient. Whether to raise is a decision of the host, so the host reads the status once
+per step. By default the status is a tensor on the model's device, all-reduced on the model's group:
+on CUDA that read waits until the GPU has finished backward and every bucket (backward() returns
+only then; torch DDP lets the host queue the optimizer step and the next forward meanwhile).
+`status_on_host(model)` moves the status to CPU tensors on a gloo copy of the group: the host then
+waits for the other ranks' hosts to reach the end of their backward, never for its GPU. Same
+guarantee, same results (the status does not touch the gradients); a GPU session measures the two
+(benchmarks/gpu_check.py, "status" rows) to choose the default on CUDA.
 """
 from __future__ import annotations
 
@@ -33,16 +40,45 @@ def close_failed_step(reducer) -> None:
     reducer.recorder.event("failed_iteration_closed")
 
 
+def status_on_host(model, enabled: bool = True) -> None:
+    """Exchange `model`'s end-of-backward status on the host (CPU tensors, a gloo group), or back on its device.
+
+    Every rank must call it, with the same `enabled` (making the gloo group is a collective of the world).
+
+    Args:
+        model: a minidp.DDP.
+        enabled: True (default): on a gloo copy of the model's group; False: on the model's group and device.
+    """
+    reducer = getattr(model, "reducer", None)
+    if reducer is None or not hasattr(reducer, "end_step"):
+        raise TypeError(f"status_on_host: model={type(model).__name__} must be a minidp.DDP")
+    group = None
+    if enabled:
+        ranks = dist.get_process_group_ranks(reducer.process_group or dist.group.WORLD)
+        group = dist.new_group(ranks, backend="gloo")  # ranks meet here (every rank of the world)
+    reducer.status_group = group
+
+
 def start_status(reducer, step, failed: bool):
-    """Start the step's status all-reduce: (status tensor, its work, or None at world size 1)."""
+    """Start the step's status all-reduce: (status tensor, its work, or None at world size 1).
+
+    No host-to-device copy from pageable memory (it would make the host wait): the flag is written
+    by a fill on the device, the use counts (find_unused_parameters) come from pinned memory.
+    """
     counts_use, world_size = reducer.readiness.counts_use, reducer.world_size
-    status = torch.zeros(world_size + len(reducer.params) * counts_use, dtype=torch.int32, device=reducer.device)
-    status[reducer.rank] = int(failed)
+    group = getattr(reducer, "status_group", None)  # status_on_host(): a gloo group, CPU tensors
+    device = torch.device("cpu") if group is not None else reducer.device
+    status = torch.zeros(world_size + len(reducer.params) * counts_use, dtype=torch.int32, device=device)
+    if failed:
+        status[reducer.rank].fill_(1)  # a fill with a host scalar: a kernel argument, no copy
     if counts_use:
-        status[world_size:] = torch.tensor(step.ready, dtype=torch.int32)
+        pinned = device.type == "cuda"
+        ready = torch.tensor(step.ready, dtype=torch.int32, pin_memory=pinned)
+        status[world_size:].copy_(ready, non_blocking=pinned)
     if world_size == 1:
         return status, None  # one rank: the sum is this rank's status itself
-    return status, dist.all_reduce(status, group=reducer.process_group, async_op=True)  # ranks meet here
+    group = group if group is not None else reducer.process_group
+    return status, dist.all_reduce(status, group=group, async_op=True)  # ranks meet here
 
 
 def read_status(reducer, status: torch.Tensor, work) -> tuple[list[int], list[int] | None]:
@@ -55,8 +91,8 @@ def read_status(reducer, status: torch.Tensor, work) -> tuple[list[int], list[in
             f"minidp.DDP on rank {reducer.rank}: iteration {reducer.iteration}: the end-of-backward status "
             f"all-reduce failed; likely {debug_mode.LIKELY_CAUSES}, or a rank's backward raised and it "
             f"ran no forward afterwards (MINIDP_DEBUG=1 checks every step). Cause: {exc}") from exc
-    # The one host read per step (free on gloo, whose wait already blocked; on CUDA it waits for the
-    # reduction): whether to raise is a decision of the host.
+    # The one host read per step (free on gloo, whose wait already blocked; with the status on CUDA it
+    # waits for the reduction, behind the whole backward): whether to raise is a decision of the host.
     counts = status.tolist()
     return [r for r in range(reducer.world_size) if counts[r]], counts[reducer.world_size:] or None
 
