@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -285,3 +286,23 @@ def save_checkpoint(folder: str, epoch: int, model, opt, sched, extra: dict) -> 
     path = os.path.join(folder, f"epoch{epoch}.pt")
     minidp.save_checkpoint(path, model, opt, sched, epoch=epoch, extra=extra)  # ranks meet here
     return path
+
+
+def resume(args, model, opt, sched) -> tuple[int, list]:
+    """(first epoch to train, history so far): from the newest --checkpoint file after a restart, else (0, []).
+
+    A restart is what torchrun (--max-restarts) and `python -m minidp.run --max-restarts` start after a
+    worker failed: TORCHELASTIC_RESTART_COUNT > 0. Only then is an existing checkpoint picked up, so a
+    fresh run never continues an old one by surprise. Every rank loads (its own RNG state included):
+    the resumed run goes on exactly as the interrupted one would have.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or not args.checkpoint or not os.path.isdir(args.checkpoint):
+        return 0, []
+    done = [int(m.group(1)) for m in map(re.compile(r"epoch(\d+)\.pt").fullmatch, os.listdir(args.checkpoint)) if m]
+    if not done:
+        return 0, []
+    path = os.path.join(args.checkpoint, f"epoch{max(done)}.pt")
+    payload = minidp.load_checkpoint(path, model, opt, sched)
+    minidp.print0(f"restart {attempt}: resumed from {path} ({payload['epoch'] + 1} of {args.epochs} epochs done)")
+    return payload["epoch"] + 1, list(payload["extra"].get("history", []))

@@ -7,6 +7,8 @@
 Without --data, a synthetic 10-class set (shapes and colours plus noise) is written once per node.
 Each worker reads its share through minidp.DistributedSampler; rank 0 shows a progress bar, prints
 per-epoch loss and exact validation accuracy, and writes a checkpoint per epoch (--checkpoint).
+Restarted by torchrun --max-restarts or `python -m minidp.run --max-restarts`, it resumes from the
+newest checkpoint there (common.resume).
 """
 from __future__ import annotations
 
@@ -94,8 +96,9 @@ def fit(args, env: minidp.DistEnv, loaders: common.Loaders) -> dict:
                   f"steps/epoch, {args.optimizer} lr {args.lr} warmed up to "
                   f"{minidp.lr.scaled_lr(args.lr, env.world_size, rule=common.lr_rule(args)):g} "
                   f"(sync-bn {args.sync_bn}), ResNet-18 width {args.width}, device {env.device}")
-    history, step_times, path = [], [], None
-    for epoch in range(args.epochs):
+    first, history = common.resume(args, model, opt, sched)  # after a restart: the newest checkpoint's epoch
+    step_times, path = [], None
+    for epoch in range(first, args.epochs):
         loaders.set_epoch(epoch)
         train = train_one_epoch(model, opt, sched, loaders, env, epoch, args, step_times)
         common.sync_buffers(model.module)  # ranks meet here
@@ -108,10 +111,11 @@ def fit(args, env: minidp.DistEnv, loaders: common.Loaders) -> dict:
             history[-1]["val_accuracy"], val["count"]))
         if args.checkpoint:
             path = common.save_checkpoint(args.checkpoint, epoch, model, opt, sched, {
-                **loaders.state(loaders.steps_per_epoch), "args": vars(args), "metrics": history[-1]})
+                **loaders.state(loaders.steps_per_epoch), "args": vars(args), "metrics": history[-1],
+                "history": history})
     timed = step_times[WARM_STEPS:] if len(step_times) > 2 * WARM_STEPS else step_times
     return dict(engine=args.engine, world_size=env.world_size, steps=len(step_times), history=history,
-                median_step_s=statistics.median(timed), step_times=step_times, checkpoint=path)
+                median_step_s=statistics.median(timed) if timed else None, step_times=step_times, checkpoint=path)
 
 
 def write_report(args, summary: dict) -> None:

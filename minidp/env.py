@@ -15,11 +15,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import time
 from typing import Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
+from . import watchdog
 from .backend import BACKEND_VARIABLE, KNOWN_BACKENDS, as_timedelta, check_nccl, choose_backend, default_backend
 from .rendezvous import agent_store_serves, rendezvous_store
 from .validate import check_int
@@ -162,6 +164,8 @@ def init(
             more ranks on this node than GPUs.
         timeout: seconds (or a timedelta) a collective may wait for the other ranks before it
             raises. Default: torch's for the backend (NCCL 10 min, gloo 30 min in torch 2.x).
+            When an engine collective fails or times out, the error names the ranks that did not
+            arrive, with their progress and Python stacks (watchdog.py).
 
     Example:
         env = minidp.init()          # under torchrun or `python -m minidp.run`
@@ -187,9 +191,10 @@ def init(
         # A world of one needs no network: an in-memory store will do.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        # Ranks meet here: rank 0 hosts the rendezvous store, the others connect to it.
-        dist.init_process_group(backend, store=rendezvous_store(spec, timeout), rank=spec.rank,
-                                world_size=spec.world_size, timeout=timeout)
+        # Ranks meet here: rank 0 (or torchrun's agent) hosts the rendezvous store, the others connect to it.
+        store = rendezvous_store(spec, timeout)
+        dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+        watchdog.start(store, spec.rank, spec.world_size)  # a daemon thread: progress out, stacks on request
     return dataclasses.replace(spec, device=device, backend=backend)
 
 
@@ -208,6 +213,60 @@ def _export(spec: DistEnv) -> None:
 
 
 def shutdown() -> None:
-    """Destroy the default process group. Safe to call twice, or without init()."""
+    """The safe end of a script: stop the watchdog, destroy the default process group, let gloo settle.
+
+    Call it last (`minidp.shutdown()` as a script's final line, or in a `finally`). Why: torch's gloo
+    backend frees a finished work on its own worker thread; if the script ends right after a
+    collective, that can happen after Python began finalizing, when the thread can no longer take
+    the GIL, and the process aborts ("terminate called without an active exception", seen in about
+    1 run in 5 when runs overlap). shutdown() returns once every other thread of the process is idle,
+    so nothing is left to free late. No collective: a rank may call it after its peers died. Safe to
+    call twice, or without init().
+    """
+    watchdog.stop()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        settle_threads()
+
+
+def settle_threads(limit_s: float = 2.0, poll_s: float = 0.005) -> bool:
+    """Wait until no other thread of this process runs (all asleep twice in a row); at most `limit_s`.
+
+    Sleeping between looks releases the GIL, so a communication thread waiting for it can finish.
+
+    Args:
+        limit_s: the longest wait, seconds. Default 2.0.
+        poll_s: between two looks, seconds. Default 0.005.
+
+    Returns:
+        True if the threads settled, False at the limit or without /proc (then it slept `limit_s`'s worth of polls).
+    """
+    deadline, quiet = time.monotonic() + limit_s, 0
+    while time.monotonic() < deadline:
+        time.sleep(poll_s)
+        busy = _running_threads()
+        if busy is None:
+            return False
+        quiet = quiet + 1 if busy == 0 else 0
+        if quiet >= 2:
+            return True
+    return False
+
+
+def _running_threads():
+    """How many threads other than the caller are running or runnable (state R), or None without /proc."""
+    me = str(getattr(os, "gettid", lambda: os.getpid())())
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    running = 0
+    for tid in tids:
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                running += f.read().rpartition(")")[2].split()[0] == "R"
+        except OSError:  # the thread just ended
+            continue
+    return running

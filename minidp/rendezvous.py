@@ -2,6 +2,12 @@
 
 Under torchrun every rank is a client of the store torchrun's agent already runs; elsewhere
 (minidp.run, minidp.launch, SLURM, explicit arguments) rank 0 hosts one, listening on master_addr only.
+
+torchrun's agent keeps its store across restarts (`--max-restarts`) and rendezvous rounds
+(`--nnodes MIN:MAX`): the keys an attempt's ranks left there (gloo's addresses, among others) are
+still there when the next attempt's ranks meet, and a fast rank would read its peers' old
+addresses ("Gloo connectFullMesh failed ... Connection refused"). So each attempt meets under keys
+of its own (attempt_prefix).
 """
 from __future__ import annotations
 
@@ -33,14 +39,34 @@ def agent_store_serves(spec: DistEnv, environ: Mapping[str, str]) -> bool:
             and environ.get("MASTER_PORT") == str(spec.master_port))
 
 
+def attempt_prefix(store: dist.Store, spec: DistEnv, environ: Mapping[str, str]) -> str:
+    """The key prefix this attempt's ranks meet under in torchrun's agent store.
+
+    The restart count (TORCHELASTIC_RESTART_COUNT) tells a failed attempt from its restart, but a
+    rendezvous round that only changes membership (elastic --nnodes MIN:MAX) keeps the count. So the
+    ranks also count their arrivals under the count and the world size: arrivals 1..W are the
+    first group of that size, W+1..2W the next, and so on.
+
+    Args:
+        store: the agent's store (a client).
+        spec: this process's resolved identity.
+        environ: where TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_RUN_ID are read.
+    """
+    run_id, count = environ.get("TORCHELASTIC_RUN_ID", "none"), environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = f"minidp/{run_id}/attempt{count}"
+    arrived = store.add(f"{attempt}/world{spec.world_size}/arrivals", 1)  # ranks meet here (a counter)
+    return f"{attempt}/world{spec.world_size}/group{(arrived - 1) // spec.world_size}/"
+
+
 def rendezvous_store(spec: DistEnv, timeout: datetime.timedelta) -> dist.Store:
     """The TCP key-value store the ranks meet through.
 
-    Under torchrun every rank is a client of the agent's store, under the key prefix "default_pg",
-    exactly as torch's env:// rendezvous (init_process_group without a store) connects. Elsewhere
+    Under torchrun every rank is a client of the agent's store, under a key prefix of this attempt's
+    own (attempt_prefix), then "default_pg" as torch's env:// rendezvous does. Elsewhere
     (minidp.run, minidp.launch, SLURM, explicit arguments) rank 0 hosts the store, listening on
-    master_addr only. Why not init_method="tcp://...": torch's store server then listens on every
-    interface; a socket bound to master_addr (127.0.0.1 on one node) keeps the rendezvous off the network.
+    master_addr only; a restarted rank 0 hosts a new one. Why not init_method="tcp://...": torch's
+    store server then listens on every interface; a socket bound to master_addr (127.0.0.1 on one
+    node) keeps the rendezvous off the network.
 
     Args:
         spec: this process's resolved identity (rank, world size, master_addr, master_port).
@@ -48,7 +74,8 @@ def rendezvous_store(spec: DistEnv, timeout: datetime.timedelta) -> dist.Store:
     """
     if agent_store_serves(spec, os.environ):
         store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout)
-        return dist.PrefixStore("default_pg", store)  # the agent's store is shared: keep to our keys
+        # The agent's store is shared by attempts and by torchrun itself: keep to this attempt's keys.
+        return dist.PrefixStore(attempt_prefix(store, spec, os.environ) + "default_pg", store)
     if spec.rank != 0:
         return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timeout)
     family = socket.AF_INET6 if ":" in spec.master_addr else socket.AF_INET

@@ -5,6 +5,11 @@
         --master-addr 10.0.0.1 --master-port 29500 train.py      # on node 0; node-rank 1 on node 1
 
 A script that works under torchrun works here unchanged, and the other way round.
+
+With --max-restarts N, a worker's failure stops every worker of this node and starts them all again,
+up to N times, as torchrun's elastic agent does; the workers see the attempt in
+TORCHELASTIC_RESTART_COUNT (0 first) and resume from their checkpoint. After N restarts the run
+gives up with the first failure's report.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import runpy
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from typing import List, Optional
 
@@ -57,19 +63,29 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="address of node 0 (default 127.0.0.1 on a single node)")
     p.add_argument("--master-port", "--master_port", type=int, default=None,
                    help="rendezvous port (default: a free one on a single node)")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+                   help="on a worker's failure, restart all workers up to this many times (default 0)")
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p.parse_args(argv)
 
 
-def _start_scripts(a: argparse.Namespace, error_dir: str, workers: List[Worker]) -> None:
-    """Start the script once per local rank, appending each to `workers` as it starts."""
+def _start_scripts(a: argparse.Namespace, error_dir: str, workers: List[Worker], attempt: int = 0) -> None:
+    """Start the script once per local rank, appending each to `workers` as it starts.
+
+    Args:
+        a: the parsed command line.
+        error_dir: where each worker's error file goes (one folder per attempt).
+        workers: the list to append to.
+        attempt: the restart count, 0 first (TORCHELASTIC_RESTART_COUNT, as torchrun sets it). Default 0.
+    """
     code = "from minidp.run import _run_script_as_worker as r; import sys; r(sys.argv[1], sys.argv[2:])"
     for local_rank in range(a.nproc_per_node):
         env = worker_env(local_rank, a.nproc_per_node, a.nnodes, a.node_rank, a.master_addr, a.master_port)
         error_path = os.path.join(error_dir, f"rank{env['RANK']}.err")
-        env = {**os.environ, **env, _ERROR_FILE_VAR: error_path}
+        env = {**os.environ, **env, _ERROR_FILE_VAR: error_path, "TORCHELASTIC_RESTART_COUNT": str(attempt),
+               "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts)}
         # Own session: the launcher can signal the worker's whole tree, and Ctrl-C reaches
         # only the launcher, which then stops every worker.
         proc = subprocess.Popen([sys.executable, "-c", code, a.script, *a.script_args], env=env,
@@ -96,22 +112,38 @@ def main(argv: Optional[List[str]] = None) -> int:
         a.master_port = free_port(a.master_addr)
     if not os.path.isfile(a.script):
         raise ValueError(f"script={a.script!r} is not a file")
-    with tempfile.TemporaryDirectory(prefix="minidp-run-") as error_dir:
-        workers: List[Worker] = []
-        try:
-            _start_scripts(a, error_dir, workers)
-            supervise(workers, a.timeout)
-        except WorkerFailed as exc:
-            print(f"minidp.run: {exc}", file=sys.stderr, flush=True)
-            return 1
-        except TimeoutError as exc:
-            print(f"minidp.run: {exc}", file=sys.stderr, flush=True)
-            return 124
-        except KeyboardInterrupt:
-            return 130
-        finally:
-            terminate(workers)
-    return 0
+    if a.max_restarts < 0:
+        raise ValueError(f"--max-restarts {a.max_restarts} must be >= 0")
+    return _run_attempts(a)
+
+
+def _run_attempts(a: argparse.Namespace) -> int:
+    """Run the workers, restarting them all after a failure while restarts are left; the exit status."""
+    deadline = None if a.timeout is None else time.monotonic() + a.timeout
+    first_failure = None
+    for attempt in range(a.max_restarts + 1):
+        with tempfile.TemporaryDirectory(prefix="minidp-run-") as error_dir:
+            workers: List[Worker] = []
+            try:
+                _start_scripts(a, error_dir, workers, attempt)
+                supervise(workers, None if deadline is None else max(deadline - time.monotonic(), 0.0))
+                return 0
+            except WorkerFailed as exc:
+                first_failure = first_failure or exc
+                left = a.max_restarts - attempt
+                print(f"minidp.run: {exc}" + (f"\nminidp.run: restarting all {a.nproc_per_node} worker(s) "
+                      f"(restart {attempt + 1} of {a.max_restarts})" if left else ""), file=sys.stderr, flush=True)
+            except TimeoutError as exc:
+                print(f"minidp.run: {exc}", file=sys.stderr, flush=True)
+                return 124
+            except KeyboardInterrupt:
+                return 130
+            finally:
+                terminate(workers)  # every worker of this attempt is gone before the next starts
+    if a.max_restarts:
+        print(f"minidp.run: giving up after {a.max_restarts} restart(s); the first failure was:\n"
+              f"{first_failure}", file=sys.stderr, flush=True)
+    return 1
 
 
 if __name__ == "__main__":

@@ -27,4 +27,5 @@ Second read, one file per mode or feature, each saying what it changes in the co
   collectives.py  coalesced broadcast, cross-rank agreement checks
   graph_split.py  a torch.compile backend that cuts the graph at bucket boundaries, so gradients
                   arrive during backward under torch.compile, in both wrapping orders
+  progress.py     where this rank is in its step, for the watchdog that names a stuck or lost rank
 """

@@ -21,6 +21,7 @@ from .graph_split import ModuleRunner, forward_outside_dynamo
 from .hook_checks import check_comm_hook, hook_name
 from .inspection import Inspection
 from .join import JoinableDDP, broadcast_from_last_trainer
+from .progress import track_progress
 from .recovery import close_failed_step
 from .reducer import Reducer
 from .sparse import sparse_gradient_flags
@@ -100,6 +101,7 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
             params, names, sparse, process_group=self.process_group, bucket_cap_mb=self.bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters, gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph, debug=self.debug, transport=self.transport)
+        track_progress(self)  # for minidp.init()'s watchdog: a stuck or lost rank named (progress.py)
 
     def forward(self, *inputs, **kwargs):
         """Three steps: the collectives before the module, the module, then arm the reducer for backward."""

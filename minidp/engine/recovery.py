@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import debug as debug_mode
+from .progress import report
 
 
 def close_failed_step(reducer) -> None:
@@ -90,7 +91,8 @@ def read_status(reducer, status: torch.Tensor, work) -> tuple[list[int], list[in
         raise RuntimeError(
             f"minidp.DDP on rank {reducer.rank}: iteration {reducer.iteration}: the end-of-backward status "
             f"all-reduce failed; likely {debug_mode.LIKELY_CAUSES}, or a rank's backward raised and it "
-            f"ran no forward afterwards (MINIDP_DEBUG=1 checks every step). Cause: {exc}") from exc
+            f"ran no forward afterwards (MINIDP_DEBUG=1 checks every step). Cause: {exc}"
+            + report(reducer, "the end-of-backward status all-reduce")) from exc
     # The one host read per step (free on gloo, whose wait already blocked; with the status on CUDA it
     # waits for the reduction, behind the whole backward): whether to raise is a decision of the host.
     counts = status.tolist()
@@ -107,4 +109,5 @@ def failed_message(reducer, failed_ranks: list[int]) -> str:
 def wait_failed_message(reducer, bucket, exc: Exception) -> str:
     return (f"minidp.DDP on rank {reducer.rank}: iteration {reducer.iteration}: the all-reduce of bucket "
             f"{bucket.index} [{debug_mode.describe_bucket(reducer.layout, bucket.index)}] failed; likely "
-            f"{debug_mode.LIKELY_CAUSES} (MINIDP_DEBUG=1 checks every step). Cause: {exc}")
+            f"{debug_mode.LIKELY_CAUSES} (MINIDP_DEBUG=1 checks every step). Cause: {exc}"
+            + report(reducer, f"the all-reduce of bucket {bucket.index}"))
