@@ -34,7 +34,8 @@ RUN = [sys.executable, "-m", "minidp.run", "--nproc-per-node", "2"]
 TRAIN, STUCK = os.path.join(SCRIPTS, "restart_train.py"), os.path.join(SCRIPTS, "stuck_rank.py")
 TIMEOUT_S = 150  # per command: a hang ends here, its tree killed
 STUCK_TIMEOUT = 15  # init(timeout=15), as in the issue
-SLACK_S = 20  # "within the timeout plus a few seconds": a few on an idle machine (benchmarks/RESULTS.md), more on a loaded one
+# "Within the timeout plus a few seconds": a few on an idle machine (benchmarks/RESULTS.md), more when loaded.
+SLACK_S = 20
 
 
 def _scenarios(tmp):
