@@ -1,7 +1,8 @@
 """The compression study and the GPU check as commands: tiny runs of the real scripts, and their argument checks.
 
 benchmarks/gpu_check.py is written for a GPU; here it runs its CPU dry run (gloo, the CuPy rows
-reported as skipped), which goes through the same code except the CUDA device and CupyNccl.
+reported as skipped), which goes through the same checks except the CUDA device, CupyNccl and the
+host-sync count (set_sync_debug_mode needs CUDA).
 """
 import json
 import os
@@ -43,21 +44,45 @@ def test_compression_study_quick_run_writes_json_plot_and_table(tmp_path):
     assert text.startswith("# notes kept\n") and "<!-- BEGIN compression cpu -->" in text and "| TopK 1%+EF |" in text
 
 
-def test_gpu_check_dry_run_on_cpu(tmp_path):
+def _table_rows(stdout: str) -> list[dict]:
+    header = ("| check ", "| ---")
+    lines = [line for line in stdout.splitlines() if line.startswith("| ") and not line.startswith(header)]
+    cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines]
+    return [dict(zip(("check", "world", "collectives", "result", "detail"), c)) for c in cells]
+
+
+def test_gpu_check_dry_run_on_cpu_runs_every_check_and_counts_collectives(tmp_path):
+    """The issue 22 criteria: a collectives column, every passing row communicated, 3+ rows at world size 2,
+    SyncBatchNorm beside a compression hook passes; one verdict line per check."""
     results_md = tmp_path / "RESULTS.md"
-    proc = _run("benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--steps", "2", "--checks",
-                "compressors", "--results-md", str(results_md))
+    proc = _run("benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--steps", "1", "--results-md",
+                str(results_md), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| compressors over CupyNccl | skipped | CupyNccl() needs" in proc.stdout
-    assert proc.stdout.count("+EF on cpu over TorchDist | ok |") == len(gpu_check.COMPRESSORS)
+    assert "| check | world | collectives | result | detail |" in proc.stdout
+    verdicts = [line for line in proc.stdout.splitlines() if line.startswith("check ")]
+    assert [v.split(":")[0] for v in verdicts] == [f"check {name}" for name in gpu_check.CHECKS], verdicts
+    rows = _table_rows(proc.stdout)
+    passed = [r for r in rows if r["result"] == "ok"]
+    assert all(int(r["collectives"]) >= 1 for r in passed), passed
+    assert {r["result"] for r in rows} == {"ok", "skipped"}  # skipped: CupyNccl without CUDA
+    assert sum(r["world"] == "2" for r in passed) >= 3
+    assert any(r["check"].startswith("SyncBatchNorm + compression_hook") for r in passed)
+    assert sum("+EF on cpu tensors over gloo" in r["check"] for r in passed) == len(gpu_check.COMPRESSORS)
     assert "<!-- BEGIN gpu_check cpu -->" in results_md.read_text()
+
+
+def test_gpu_check_fails_a_row_that_issued_no_collective():
+    rows = gpu_check.judged([gpu_check.row("silent", True, "looked fine"), gpu_check.row("talked", True, "x", 3),
+                             gpu_check.row("skipped", None, "no CuPy")], world=2)
+    assert [(r["result"], r["world"]) for r in rows] == [("FAIL", 2), ("ok", 2), ("skipped", 2)]
+    assert rows[0]["detail"].startswith("issued no collective")
 
 
 @pytest.mark.parametrize("module, argv, words", [
     (compression, ["--configs", "exact,Zip"], "--configs: unknown ['Zip']"),
     (compression, ["--epochs", "0"], "argument --epochs"),
     (gpu_check, ["--device", "cpu", "--steps", "0"], "--steps 0 must be >= 1"),
-    (gpu_check, ["--device", "cpu", "--checks", "nccl,zip"], "choose from nccl,cupy,compressors,gloo"),
+    (gpu_check, ["--device", "cpu", "--checks", "engine,zip"], "choose from engine,status,cupy,compressors,world2"),
 ])
 def test_benchmark_arguments_are_checked(module, argv, words, capsys):
     with pytest.raises(SystemExit):
