@@ -313,3 +313,20 @@ def test_orthogonalize_gives_orthonormal_columns(rank):
     q = torch.randn(3, 20, rank, generator=torch.Generator().manual_seed(rank))
     orthogonalize(q)
     torch.testing.assert_close(q.transpose(1, 2) @ q, torch.eye(rank).expand(3, rank, rank), atol=1e-5, rtol=0)
+
+
+def test_randomk_resumed_from_a_state_dict_draws_the_positions_the_run_would_have_drawn():
+    """Issue 22, item 2: the hook's one generator (not one per device string) goes on after a resume; on
+    CUDA the same holds on another GPU index (tests/test_gpu_streams.py)."""
+    state, hook = comm.compression_hook(comm.RandomK(0.1), transport=Loopback())
+    hook(state, _bucket(seed=0)).wait()
+    saved = state.state_dict()
+    going_on = hook(state, _bucket(seed=1)).wait().clone()
+    resumed, hook2 = comm.compression_hook(comm.RandomK(0.1), transport=Loopback())
+    resumed.load_state_dict(saved)
+    again = hook2(resumed, _bucket(seed=1)).wait()
+    assert torch.equal(again, going_on) and (again != 0).sum() == 99  # the same 10% of positions
+    fresh, hook3 = comm.compression_hook(comm.RandomK(0.1), transport=Loopback())
+    assert not torch.equal(hook3(fresh, _bucket(seed=1)).wait(), going_on)  # a fresh stream draws others
+    for s in (state, resumed, fresh):
+        s.close()
