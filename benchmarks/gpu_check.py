@@ -16,6 +16,7 @@ Checks, each in fresh processes (the checks themselves: gpu_checks.py):
                feedback, ranks equal, bytes as declared, against the same run on CPU tensors.
   world2       two processes sharing the GPU over gloo: minidp.DDP against torch DDP, FP16() against
                torch's fp16_compress_hook, SyncBatchNorm beside a compression hook.
+               (Both gloo checks use the quick models for a few steps: results, not speed, over gloo.)
 Every row counts the collectives its minidp run issued (collective_count.py); a row that issued none
 fails. Prints one verdict line per check and a table, and writes the table into --results-md between
 markers. Needs torch, CuPy for `cupy` (skipped without it), torchvision for ResNet-18 (skipped without

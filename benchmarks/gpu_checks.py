@@ -54,11 +54,11 @@ def _max_diff(a: list, b: list) -> float:
     return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
 
 
-def _models(args) -> list:
+def _models(args, quick: bool) -> list:
     """(name, workload or None, why skipped): the MLP, and ResNet-18 unless --quick (torchvision needed)."""
     out = []
     for name in ["mlp"] + ([] if args.quick else ["resnet18"]):
-        work = workloads.get(name, quick=args.quick)
+        work = workloads.get(name, quick=quick)
         try:
             work.build()
         except ImportError as exc:  # torchvision missing: ResNet-18 is skipped, not failed
@@ -78,15 +78,18 @@ def train(counter, engine, module, batch, device, steps: int, hook=None, setup=N
         setup(model)
     opt = workloads.make_optimizer(model)
     x, y = (t.to(device) for t in batch)
-    times = []
     with counter.window() as seen:
-        for _ in range(steps):
-            _sync(device)
-            start = time.perf_counter()
-            workloads.train_step(model, opt, x, y)
-            _sync(device)
-            times.append(time.perf_counter() - start)
+        times = [_timed_step(model, opt, (x, y), device) for _ in range(steps)]
     return [p.detach().cpu() for p in module.parameters()], times, seen[0]
+
+
+def _timed_step(model, opt, batch, device) -> float:
+    """Seconds of one training step, the device drained before and after."""
+    _sync(device)
+    start = time.perf_counter()
+    workloads.train_step(model, opt, *batch)
+    _sync(device)
+    return time.perf_counter() - start
 
 
 def _batch(work) -> tuple:
@@ -105,7 +108,7 @@ def ranks_equal(weights: list) -> bool:
 def check_engine_world_one(args, counter) -> list:
     """minidp.DDP over a transport (world size 1 communicates only so) against torch DDP: bitwise, step ratio."""
     device, rows = device_of(args), []
-    for name, work, why in _models(args):
+    for name, work, why in _models(args, args.quick):
         if work is None:
             rows.append(row(f"{name} minidp.DDP(transport=TorchDist()) vs torch DDP", None, why))
             continue
@@ -141,22 +144,13 @@ def check_status(args, counter) -> list:
     device, rows, work = device_of(args), [], workloads.get("mlp", quick=args.quick)
     times = {}
     for mode in ("device", "host"):
-        setup = status_on_host if mode == "host" else None
-        module = work.build().to(device)
-        model = minidp.DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
+        model = minidp.DDP(work.build().to(device), device_ids=[device.index] if device.type == "cuda" else None,
                            transport=comm.TorchDist())
-        if setup:
-            setup(model)
+        if mode == "host":
+            status_on_host(model)  # ranks meet here (a gloo group)
         opt, batch = workloads.make_optimizer(model), tuple(t.to(device) for t in _batch(work))
         with counter.window() as seen:
-            step_times = []
-            for _ in range(args.steps + 3):
-                _sync(device)
-                start = time.perf_counter()
-                workloads.train_step(model, opt, *batch)
-                _sync(device)
-                step_times.append(time.perf_counter() - start)
-            times[mode] = _median_ms(step_times)
+            times[mode] = _median_ms([_timed_step(model, opt, batch, device) for _ in range(args.steps + 3)])
             if device.type == "cuda":
                 syncs, control = _sync_warnings(device, model, opt, batch, 2)
         expected = 2 if mode == "device" else 0  # documented: recovery.read_status's .tolist(), once a step
@@ -213,12 +207,19 @@ def check_cupy(args, counter) -> list:
 
 
 # ----------------------------------------------------------------------------- world size 2 (gloo)
+# Over gloo the GPU's tensors go through host memory: these checks are about results, not speed, so
+# they run the quick models for a few steps (the full MLP's 84 MB per step would take minutes).
+def _gloo_steps(args) -> int:
+    return min(args.steps, 4) + 3
+
+
 def _compressed(counter, args, make, device, transport) -> tuple:
     """(weights, start weights, bytes sent, collectives) of the MLP trained with `make()`+EF on `device`."""
-    work = workloads.get("mlp", quick=args.quick)
+    work = workloads.get("mlp", quick=True)
     state, hook = comm.compression_hook(make(), memory=comm.ErrorFeedback(), transport=transport, start_iter=1)
     start = [p.detach().clone() for p in work.build().parameters()]
-    weights, _, n = train(counter, minidp.DDP, work.build(), _batch(work), device, args.steps + 3, hook=(state, hook))
+    weights, _, n = train(counter, minidp.DDP, work.build(), _batch(work), device, _gloo_steps(args),
+                          hook=(state, hook))
     sent = state.stats()["bytes_sent"]
     ok_bytes = sent == state.bytes_analytical > 0
     state.close()
@@ -257,16 +258,16 @@ def check_world_two(args, counter) -> list:
     """Engine parity with torch DDP at world size 2, FP16() beside torch's hook, SyncBatchNorm beside a hook."""
     device, rows = device_of(args), []
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    for name, work, why in _models(args):
+    for name, work, why in _models(args, quick=True):
         if work is None:
             rows.append(row(f"{name} minidp.DDP vs torch DDP", None, why))
             continue
-        theirs, t_times, _ = train(counter, TorchDDP, work.build(), _batch(work), device, args.steps + 3)
-        ours, m_times, n = train(counter, minidp.DDP, work.build(), _batch(work), device, args.steps + 3)
+        theirs, t_times, _ = train(counter, TorchDDP, work.build(), _batch(work), device, _gloo_steps(args))
+        ours, m_times, n = train(counter, minidp.DDP, work.build(), _batch(work), device, _gloo_steps(args))
         diff = _max_diff(theirs, ours)
         rows.append(row(f"{name} minidp.DDP vs torch DDP", diff == 0.0 and ranks_equal(ours),
                         f"max weight diff {diff:.3g}; step ratio {_median_ms(m_times) / _median_ms(t_times):.2f}", n))
-    work = workloads.get("mlp", quick=args.quick)
+    work = workloads.get("mlp", quick=True)
     theirs, _, _ = train(counter, TorchDDP, work.build(), _batch(work), device, 3,
                          hook=(None, default_hooks.fp16_compress_hook))
     ours, _, n = train(counter, minidp.DDP, work.build(), _batch(work), device, 3,
@@ -275,9 +276,9 @@ def check_world_two(args, counter) -> list:
                     f"max weight diff {_max_diff(theirs, ours):.3g}", n))
     gen = torch.Generator().manual_seed(7 + dist.get_rank())
     batch = (torch.randn(4, 3, 8, 8, generator=gen), torch.randint(0, 10, (4,), generator=gen))
-    theirs, _, _ = train(counter, TorchDDP, minidp.convert_sync_batchnorm(_bn_net()), batch, device, args.steps + 3,
+    theirs, _, _ = train(counter, TorchDDP, minidp.convert_sync_batchnorm(_bn_net()), batch, device, _gloo_steps(args),
                          hook=(None, default_hooks.fp16_compress_hook))
-    ours, _, n = train(counter, minidp.DDP, minidp.convert_sync_batchnorm(_bn_net()), batch, device, args.steps + 3,
+    ours, _, n = train(counter, minidp.DDP, minidp.convert_sync_batchnorm(_bn_net()), batch, device, _gloo_steps(args),
                        hook=comm.compression_hook(comm.FP16()))
     diff = _max_diff(theirs, ours)
     rows.append(row("SyncBatchNorm + compression_hook(FP16()) vs torch DDP + fp16_compress_hook",
