@@ -21,6 +21,7 @@ from torch import nn
 
 from .engine.collectives import all_gather_objects, collective_device
 from .validate import check_int
+from .watchdog import naming_laggards
 
 MAGIC = b"MINIDPCK"
 HEADER_BYTES = 8 + 16 + 64 + 8  # magic, hex length, hex sha256, padding
@@ -99,7 +100,8 @@ def set_rng_state(state: dict, device: torch.device | None = None) -> None:
 def _gather_rng_states(device: torch.device) -> list:
     if not (dist.is_available() and dist.is_initialized()):
         return [rng_state(device)]
-    return all_gather_objects(rng_state(device), device=device)  # ranks meet here
+    with naming_laggards("minidp.save_checkpoint()'s gather of the RNG states"):
+        return all_gather_objects(rng_state(device), device=device)  # ranks meet here
 
 
 def save_checkpoint(path, model, optimizer=None, scheduler=None, sampler=None, step: int = 0,
@@ -133,7 +135,8 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, sampler=None, s
         # Under NCCL a barrier is an all-reduce on a GPU: the model's, not whichever is current.
         where = collective_device(None, device)
         ids = [where.index] if where.type == "cuda" else None
-        dist.barrier(device_ids=ids)  # ranks meet here: nobody goes on (or loads) before the file is complete
+        with naming_laggards("minidp.save_checkpoint()'s closing barrier"):
+            dist.barrier(device_ids=ids)  # ranks meet here: nobody goes on (or loads) before the file is complete
 
 
 def load_checkpoint(path, model, optimizer=None, scheduler=None, sampler=None, map_location="cpu") -> dict:

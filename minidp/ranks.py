@@ -12,6 +12,8 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
+from .watchdog import naming_laggards
+
 
 def get_rank() -> int:
     """Global rank: the process group's when initialised, else RANK, else 0."""
@@ -78,7 +80,8 @@ def barrier(group: Optional[dist.ProcessGroup] = None) -> None:
     """Wait until every rank of `group` (default: the world) gets here; a no-op without a group."""
     _check_group(group)
     if dist.is_available() and dist.is_initialized():
-        dist.barrier(group=group)  # ranks meet here
+        with naming_laggards("minidp.barrier()"):  # a failure names the ranks that did not arrive
+            dist.barrier(group=group)  # ranks meet here
 
 
 @contextlib.contextmanager

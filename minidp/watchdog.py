@@ -16,6 +16,7 @@ Nothing here touches a tensor: the numbers a step computes do not change.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import socket
@@ -39,13 +40,14 @@ class Progress:
 
     def __init__(self):
         self.iteration, self.phase, self.bucket = 0, "start", None
+        self.meetings = 0  # collectives entered outside the engine (naming_laggards): orders ranks between steps
 
     def update(self, iteration: int, phase: str, bucket: int | None = None) -> None:
         """Record a new place. Args: iteration (1 for the first step), phase (one of PHASES), bucket or None."""
         self.iteration, self.phase, self.bucket = iteration, phase, bucket
 
     def as_dict(self) -> dict:
-        return {"iteration": self.iteration, "phase": self.phase, "bucket": self.bucket}
+        return {"iteration": self.iteration, "phase": self.phase, "bucket": self.bucket, "meetings": self.meetings}
 
 
 def describe(record: dict | None) -> str:
@@ -58,7 +60,7 @@ def describe(record: dict | None) -> str:
 
 def _order(record: dict) -> tuple:
     bucket = -1 if record["bucket"] is None else record["bucket"]
-    return record["iteration"], PHASES.index(record["phase"]), bucket
+    return record["iteration"], PHASES.index(record["phase"]), bucket, record.get("meetings", 0)
 
 
 def process_alive(record: dict, host: str) -> bool | None:
@@ -169,7 +171,8 @@ class Watchdog:
         others = [r for r in range(self.world_size) if r != self.rank]
         alive = {r: process_alive(records[r], self.host) if records[r] else None for r in others}
         late = [r for r in others if records[r] is None or alive[r] is False or _order(records[r]) < _order(me)]
-        stacks = self._ask_stacks([r for r in late if alive[r] is not False])
+        # Nobody behind (e.g. a collective of the script's own): every peer's stack says more than none.
+        stacks = self._ask_stacks([r for r in (late or others) if alive[r] is not False])
         if any(alive[r] is None for r in late):  # on other hosts: alive if the thread still publishes
             later = self._read_records()
             for r in late:
@@ -191,7 +194,7 @@ class Watchdog:
         text = f"  rank {rank} ({where}): {describe(record)}; {state}"
         if stack:
             text += "; its main thread:\n" + "".join(f"    {line}\n" for line in stack.rstrip().splitlines())
-        elif alive:
+        elif alive is not False:
             text += f"; no stack within {STACK_WAIT_S:g} s (frozen in C code holding the GIL?)"
         return text.rstrip()
 
@@ -231,6 +234,23 @@ def start(store: dist.Store, rank: int, world_size: int) -> Watchdog:
 def current() -> Watchdog | None:
     """The default group's watchdog, or None (no minidp.init, or a world of one)."""
     return _current
+
+
+@contextlib.contextmanager
+def naming_laggards(what: str):
+    """Around a collective outside the engine: a RuntimeError from it ends with the watchdog's report.
+
+    Args:
+        what: what the ranks meet in, e.g. "minidp.barrier()".
+    """
+    if _current is not None:
+        _current.progress.meetings += 1
+    try:
+        yield
+    except RuntimeError as exc:
+        if _current is None:
+            raise
+        raise RuntimeError(f"{exc}\n{_current.report(what)}") from exc
 
 
 def stop() -> None:
