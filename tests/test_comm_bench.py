@@ -71,6 +71,16 @@ def test_gpu_check_dry_run_on_cpu_runs_every_check_and_counts_collectives(tmp_pa
     assert "<!-- BEGIN gpu_check cpu -->" in results_md.read_text()
 
 
+@pytest.mark.gpu
+def test_gpu_check_quick_on_cuda_passes():
+    """The script itself on the GPU (issue 22): every check, quick; CupyNccl may be skipped without CuPy."""
+    proc = _run("benchmarks/gpu_check.py", "--quick", "--steps", "2", "--results-md", "", timeout=480)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = _table_rows(proc.stdout)
+    assert all(int(r["collectives"]) >= 1 for r in rows if r["result"] == "ok"), rows
+    assert any(r["check"].startswith("default step, status on the host") and r["result"] == "ok" for r in rows)
+
+
 def test_gpu_check_fails_a_row_that_issued_no_collective():
     rows = gpu_check.judged([gpu_check.row("silent", True, "looked fine"), gpu_check.row("talked", True, "x", 3),
                              gpu_check.row("skipped", None, "no CuPy")], world=2)
