@@ -8,6 +8,7 @@ its own port and a hard timeout that kills its process tree), and each test wait
   run         python -m minidp.run --max-restarts 1, the same
   stuck_*     tests/scripts/stuck_rank.py: rank 1 sleeps at step 5 under minidp.run and torchrun
               (init(timeout=15), the issue's), and under minidp.launch (timeout=5)
+  gives_up    python -m minidp.run --max-restarts 1 with a rank that fails every attempt
 """
 import concurrent.futures
 import os
@@ -53,7 +54,16 @@ def _scenarios(tmp):
         "stuck_torchrun": [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), STUCK,
                            out("stuck_torchrun"), "--timeout", str(STUCK_TIMEOUT)],
         "stuck_launch": [sys.executable, STUCK, out("stuck_launch"), "--timeout", "5", "--launch"],
+        "gives_up": [*RUN, "--max-restarts", "1", _failing_script(out("gives_up"))],
     }
+
+
+def _failing_script(folder):
+    script = os.path.join(folder, "fails.py")  # imports no torch itself: a cheap run
+    with open(script, "w") as f:
+        f.write("import os, sys\nattempt = os.environ['TORCHELASTIC_RESTART_COUNT']\n"
+                "if os.environ['RANK'] == '1':\n    sys.exit(f'rank 1 fails in attempt {attempt}')\n")
+    return script
 
 
 @pytest.fixture(scope="module")
@@ -118,15 +128,13 @@ def test_a_stuck_rank_is_named_with_the_line_it_is_stuck_on(runs, launcher, time
     assert "time.sleep(300)  # THE STUCK LINE" in result.output, result
 
 
-def test_minidp_run_gives_up_after_max_restarts_with_the_first_failure(tmp_path):
-    script = tmp_path / "fails.py"  # no torch: this test costs one launcher start
-    script.write_text("import os, sys\nattempt = os.environ['TORCHELASTIC_RESTART_COUNT']\n"
-                      "if os.environ['RANK'] == '1':\n    sys.exit(f'rank 1 fails in attempt {attempt}')\n")
-    result = Command([*RUN, "--max-restarts", "2", str(script)], ROOT, clean_env(), timeout=60).wait()
+def test_minidp_run_gives_up_after_max_restarts_with_the_first_failure(runs):
+    result, _, _ = _wait(runs, "gives_up")
     assert result.returncode == 1, result
-    assert result.output.count("restarting all 2 worker(s)") == 2, result
-    first = result.output.partition("giving up after 2 restart(s); the first failure was:")[2]
+    assert result.output.count("restarting all 2 worker(s) (restart 1 of 1)") == 1, result
+    first = result.output.partition("giving up after 1 restart(s); the first failure was:")[2]
     assert "worker rank 1 failed first" in first and "rank 1 fails in attempt 0" in first, result
+    assert "rank 1 fails in attempt 1" in result.output, result
 
 
 def test_each_torchrun_attempt_meets_under_keys_of_its_own():
