@@ -5,7 +5,8 @@ collected and each one runs for real, changed only as listed here; a README edit
 fails its test, and one that adds, drops or reshapes them fails test_readme_holds_what_this_test_runs.
 
 What changes before a README line runs, and nothing else:
-  * `python examples/...` commands get `--tiny` (the examples' test preset: 3 steps, 16 px images);
+  * `python examples/train_*.py` commands get `--tiny` (the training examples' test preset: 3 steps,
+    16 px images); examples/minimal.py runs as written (a few seconds);
   * `python -m minidp.explain` runs on 16 px images, 2 per rank (`--input-shape 3,16,16 --batch 2`): the
     bucket layouts it prints do not depend on the input size, so they must equal the README's output;
     its `--out explain` and simulate's `--plot scaling.png` go to a temp folder. `python -m
@@ -13,18 +14,19 @@ What changes before a README line runs, and nothing else:
     be the README's, line for line;
   * world size: a command for two nodes ("on each node") runs twice at once on 127.0.0.1, with
     `--node-rank` 0 and 1, `--nproc-per-node 1` (world size 2), `10.0.0.1` -> 127.0.0.1 and
-    `--master-port 29500` -> a free port. On one node `--nproc-per-node N` becomes 1: test_launch.py,
-    test_torchrun.py and test_examples.py (torch's DDP with --sync-bn under torchrun, compared with
-    minidp) run these launcher shapes at world size 2 already, and each process costs seconds of this
-    2-core machine. A single-node torchrun command gets a free port through torchrun's PET_MASTER_PORT
-    (its text unchanged): items run two at a time, and torchrun's default port is the same for all;
-  * placeholders: `train.py` -> tests/scripts/ddp_train.py (a torch DDP script for torchrun) with the
-    README's ```diff blocks applied, so it is minidp's (across 2 ranks in the two-node command);
-    `~/imagenette` and "imagenet/train" -> tiny generated image folders; `make_or_download_data()`
-    -> a stand-in; `...` lines -> a line that records what the loop saw; fragments get stand-ins
-    for the names they use before them, and checks of what their comments claim after them (the
-    minidp.comm fragment runs at world size 1; the TernGrad compressor must be examples/custom_hook.py's,
-    verbatim, and is checked on a tensor: unbiased, and as many bytes as it declares);
+    `--master-port 29500` -> a free port. A training example's `--nproc-per-node N` becomes 1:
+    test_launch.py, test_torchrun.py and test_examples.py (torch's DDP with --sync-bn under torchrun,
+    compared with minidp) run these launcher shapes at world size 2 already, and each process costs
+    seconds of this 2-core machine. A single-node torchrun command gets a free port through torchrun's
+    PET_MASTER_PORT (its text unchanged): items run two at a time, and torchrun's default port is the
+    same for all;
+  * the ```diff blocks are applied to tests/scripts/ddp_train.py (a torch DDP script for torchrun on
+    GPUs), and the result runs under torchrun at world size 2 as minidp's;
+  * `~/imagenette` and "imagenet/train" -> tiny generated image folders; `...` lines -> a line that
+    records what the loop saw; fragments get stand-ins for the names they use before them, and checks
+    of what their comments claim after them (the minidp.comm fragment runs at world size 1; the
+    TernGrad compressor must be examples/custom_hook.py's, verbatim, and is checked on a tensor:
+    unbiased, and as many bytes as it declares); the mp.spawn snippet runs as a file, unchanged;
   * `make test` and `make demo` are not run (SKIPPED_MAKE says why); `make -n` checks each target.
 Every command has a timeout (its whole process tree is killed then) and OMP_NUM_THREADS=1; the
 commands run in the background, two at a time, from a module fixture.
@@ -55,10 +57,10 @@ import common  # noqa: E402 - examples/common.py: the synthetic image folders
 
 README = os.path.join(ROOT, "README.md")
 TIMEOUT_S = 240
-EXPECTED = {"bash": 13, "python": 5, "diff": 2}  # what README.md holds; a change must update this file
+EXPECTED = {"bash": 11, "python": 5, "diff": 2}  # what README.md holds; a change must update this file
 SKIPPED_MAKE = {  # target: (why it is not run, what `make -n` must show)
     "test": ("`make test` runs the whole suite, this file included: it would recurse", "-m pytest"),
-    "demo": ("`make demo` trains twice for a minute (its own sizes override --tiny); the example it "
+    "demo": ("`make demo` trains twice, for minutes (its own sizes override --tiny); the example it "
              "runs is run here and in test_examples.py", "examples/demo.py"),
 }
 HAVE_DALI = True
@@ -148,7 +150,7 @@ class Workspace:
         source = open(os.path.join(SCRIPTS, "ddp_train.py")).read()
         for block in (b for b in blocks if b.lang == "diff"):
             source = apply_diff(source, block.text)
-        self.train_py = self.write("train.py", source)
+        self.switched = self.write("switched_train.py", source)  # ddp_train.py after the README's diffs
 
     def write(self, name: str, source: str) -> str:
         (self.tmp / name).write_text(source)
@@ -164,30 +166,42 @@ class Workspace:
         return Command(cmd, cwd, env, timeout=TIMEOUT_S)
 
 
+TRAINING_EXAMPLE = re.compile(r"\bexamples/train_\w+\.py\b")  # the examples with a --tiny preset
+
+
 def small_form(cmd: str, ws: Workspace, node_rank: int = 0, port: int = 0) -> str:
     """The README command as it runs here (see the module docstring)."""
-    out = re.sub(r"--nproc-per-node \d+", "--nproc-per-node 1", cmd)
+    out = cmd
+    if "--node-rank" in cmd or TRAINING_EXAMPLE.search(cmd):
+        out = re.sub(r"--nproc-per-node \d+", "--nproc-per-node 1", out)
     if "--node-rank" in cmd:
         out = out.replace("--node-rank 0", f"--node-rank {node_rank}")
         out = out.replace("10.0.0.1", "127.0.0.1").replace("--master-port 29500", f"--master-port {port}")
-    out = re.sub(r"(?<![\w/.])train\.py\b", ws.train_py, out)
     out = out.replace("~/imagenette", str(ws.imagenette))
     if out.startswith("python -m minidp.explain "):
         out = out.replace("--input-shape 3,32,32 --batch 32", "--input-shape 3,16,16 --batch 2")
         out = out.replace("--out explain", f"--out {ws.tmp / 'explain'}")
     out = out.replace("--plot scaling.png", f"--plot {ws.tmp / 'scaling.png'}")
-    return out + " --tiny" if re.search(r"\bexamples/\w+\.py\b", out) else out
+    return out + " --tiny" if TRAINING_EXAMPLE.search(out) else out
 
 
 def world(cmd: str) -> int:
-    return 2 if "--node-rank" in cmd else 1
+    """The world size of the command as small_form runs it."""
+    if "--node-rank" in cmd:
+        return 2
+    if TRAINING_EXAMPLE.search(cmd):
+        return 1
+    nproc = re.search(r"--nproc-per-node (\d+)", cmd)
+    return int(nproc.group(1)) if nproc else 1
 
 
-def check_train_py(cmd: str) -> Callable[[str], None]:
-    def check(output: str) -> None:
-        line = (f"train.py: {world(cmd)} ranks, minidp.DistributedDataParallel, state_dict keys with 'module.': "
-                "True, same weights on every rank: True")
-        assert output.count(line) == 1, output
+def check_minimal(cmd: str) -> Callable[[str], None]:
+    def check(output: str) -> None:  # rank 0 prints; the regression is learned to within 0.05
+        assert output.count(f"minimal.py: {world(cmd)} rank(s), ") == 1, output
+        epochs = re.findall(r"^epoch (\d): loss [\d.]+ over 1024 samples$", output, re.M)
+        assert epochs == ["1", "2", "3"], output
+        error = re.findall(r"^largest weight error: ([\d.]+)$", output, re.M)
+        assert len(error) == 1 and float(error[0]) < 0.05, output
     return check
 
 
@@ -233,8 +247,8 @@ def check_train_lm(cmd: str) -> Callable[[str], None]:
 
 def checker(cmd: str, shown: str) -> Callable[[str], None]:
     """What a README command must print; `shown` is the ```text block that follows it in the README, if any."""
-    if re.search(r"(?<![\w/.])train\.py\b", cmd):
-        return check_train_py(cmd)
+    if "examples/minimal.py" in cmd:
+        return check_minimal(cmd)
     if cmd.startswith("python -m minidp.explain "):
         return check_explain(shown)
     if cmd.startswith("python -m minidp.simulate "):
@@ -286,10 +300,6 @@ def make_item(key: str, cmd: str) -> Item:
 
 
 # ----------------------------------------------------------------------------- python snippets
-SPAWN_BEFORE = '''\
-def make_or_download_data():  # test_readme: a stand-in for the README's placeholder
-    return list(range(10))
-'''
 SAMPLER_BEFORE = '''\
 import torch  # test_readme: stand-ins for the names the fragment uses
 from torch.utils.data import DataLoader, TensorDataset
@@ -390,11 +400,11 @@ def python_items(blocks: List[Block]) -> List[Item]:
         text, key = block.text, f"line {block.line}: python snippet"
         if "minidp.launch(" in text:
             def start(ws, text=text):  # a file: the spawned workers import it again
-                path = ws.write("spawn_snippet.py", SPAWN_BEFORE + text)
+                path = ws.write("spawn_snippet.py", text)
                 return [ws.command([sys.executable, path], cwd=str(ws.tmp))]
 
             def check(output):
-                assert output.count("only rank 0 prints this") == 1, output
+                assert output.count("2 workers; only rank 0 prints this") == 1, output
             items.append(Item(key + " (mp.spawn style)", start, check))
         elif "minidp.DistributedSampler(train_set" in text:
             def start(ws, text=text):
@@ -436,8 +446,25 @@ def python_items(blocks: List[Block]) -> List[Item]:
     return items
 
 
+def diff_items(blocks: List[Block]) -> List[Item]:
+    """The ```diff blocks, applied together to a torch DDP script: the result runs as minidp's."""
+    diffs = [b for b in blocks if b.lang == "diff"]
+    if not diffs:
+        return []
+
+    def start(ws):  # torchrun at world size 2: the gradients are averaged across two ranks
+        return [ws.command(f"torchrun --nproc-per-node 2 {ws.switched}")]
+
+    def check(output):
+        line = ("train.py: 2 ranks, minidp.DistributedDataParallel, state_dict keys with 'module.': True, "
+                "same weights on every rank: True")
+        assert output.count(line) == 1, output
+    lines = ", ".join(str(b.line) for b in diffs)
+    return [Item(f"lines {lines}: diff blocks applied to tests/scripts/ddp_train.py", start, check)]
+
+
 # ----------------------------------------------------------------------------- the tests
-ITEMS = bash_items(read_blocks()) + python_items(read_blocks())
+ITEMS = bash_items(read_blocks()) + python_items(read_blocks()) + diff_items(read_blocks())
 
 
 @pytest.fixture(scope="module")
@@ -455,9 +482,8 @@ def test_readme_holds_what_this_test_runs():
              "python": sum(b.lang == "python" for b in blocks), "diff": sum(b.lang == "diff" for b in blocks)}
     assert found == EXPECTED, f"README.md now has {found}: update EXPECTED, and teach this file the new ones"
     text = open(README).read()
-    for placeholder in ("train.py", "~/imagenette", "10.0.0.1", "--master-port 29500", "make_or_download_data()",
-                        '"imagenet/train"', "--node-rank 0", "--input-shape 3,32,32 --batch 32 --out explain",
-                        "--plot scaling.png"):
+    for placeholder in ("~/imagenette", "10.0.0.1", "--master-port 29500", '"imagenet/train"', "--node-rank 0",
+                        "--input-shape 3,32,32 --batch 32 --out explain", "--plot scaling.png"):
         assert placeholder in text, f"README.md no longer has {placeholder!r}: drop what this file does with it"
 
 
@@ -474,7 +500,7 @@ def test_readme_item_runs(item, started):
         pytest.skip(item.skip)
 
 
-def test_the_diffs_turn_the_torch_ddp_script_into_a_minidp_one(tmp_path):
+def test_the_diffs_turn_the_torch_ddp_script_into_a_minidp_one():
     source = open(os.path.join(SCRIPTS, "ddp_train.py")).read()
     for block in (b for b in read_blocks() if b.lang == "diff"):
         source = apply_diff(source, block.text)
@@ -490,11 +516,15 @@ def test_parsing_helpers():
     assert replace_dots("for i in x:\n    ...\n", ["f(i)\ng(i)"]) == "for i in x:\n    f(i)\n    g(i)\n"
     assert replace_dots("for i in x:\n    ...   # step\nz = '...'\n", ["f(i)"]) == "for i in x:\n    f(i)\nz = '...'\n"
     ws = Workspace.__new__(Workspace)
-    ws.imagenette, ws.train_py, ws.tmp = "/data/imagenette", "/t/train.py", pathlib.Path("/t")
+    ws.imagenette, ws.tmp = "/data/imagenette", pathlib.Path("/t")
     assert small_form("python -m minidp.run --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr 10.0.0.1 "
-                      "--master-port 29500 train.py", ws, 1, 1234) == (
+                      "--master-port 29500 examples/minimal.py", ws, 1, 1234) == (
         "python -m minidp.run --nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr 127.0.0.1 "
-        "--master-port 1234 /t/train.py")
+        "--master-port 1234 examples/minimal.py")
+    assert small_form("torchrun --nproc-per-node 2 examples/minimal.py", ws) == (
+        "torchrun --nproc-per-node 2 examples/minimal.py")  # as written
+    assert small_form("python examples/train_lm.py --nproc-per-node 2 --bf16", ws) == (
+        "python examples/train_lm.py --nproc-per-node 1 --bf16 --tiny")
     assert small_form("python examples/train_dali.py --data ~/imagenette", ws) == (
         "python examples/train_dali.py --data /data/imagenette --tiny")
     explain = "python -m minidp.explain resnet18 --world-size 2 --input-shape {} --batch {} --out {}"

@@ -1,8 +1,9 @@
 """A small torch DDP training script, written for torchrun on GPUs (NCCL).
 
 tests/test_readme.py applies the README's ```diff blocks to it (torch DDP -> minidp) and runs the
-result as the README's `train.py`. Rank 0 prints the world size, the engine, the state_dict key
-prefix, and whether every rank ended with the same weights.
+result under torchrun at world size 2 on CPU (gloo), which works only if the switch is complete.
+Rank 0 prints the world size, the engine, the state_dict key prefix, and whether every rank ended
+with the same weights.
 """
 import os
 
