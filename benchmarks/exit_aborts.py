@@ -13,13 +13,15 @@ The script trains a few steps with minidp.DDP, then all-reduces twice and ends: 
 ends there, variant "shutdown" calls minidp.shutdown() last. Runs of both variants are interleaved,
 `--concurrent` at a time, a new one started as soon as one ends, so runs start while others end.
 With --torchrun each run is `torchrun --standalone --nproc-per-node 1 SCRIPT`, the form the abort was seen in
-(commit 7febf1e): twice the processes, so more overlap.
+(commit 7febf1e): twice the processes, so more overlap; --nproc 2 makes it a world of two (gloo over
+TCP, as tests/test_readme.py runs the README's train.py).
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -51,7 +53,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=40, help="runs of the shutdown variant")
     p.add_argument("--plain-runs", type=int, default=None, help="runs of the plain variant (default: --runs)")
-    p.add_argument("--torchrun", action="store_true", help="start each run with torchrun --nproc-per-node 1")
+    p.add_argument("--torchrun", action="store_true", help="start each run with torchrun --standalone")
+    p.add_argument("--nproc", type=int, default=1, help="torchrun's --nproc-per-node (default 1)")
     p.add_argument("--concurrent", type=int, default=6, help="runs at a time")
     a = p.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +66,7 @@ def main() -> None:
         plain = a.runs if a.plain_runs is None else a.plain_runs
         todo = [v for i in range(max(a.runs, plain)) for v, n in (("plain", plain), ("shutdown", a.runs)) if i < n]
         launcher = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
-                    "--nproc-per-node", "1"] if a.torchrun else [sys.executable]
+                    "--nproc-per-node", str(a.nproc)] if a.torchrun else [sys.executable]
         running, results, start = [], collections.defaultdict(list), time.time()
         while todo or running:
             while todo and len(running) < a.concurrent:
@@ -77,9 +80,11 @@ def main() -> None:
                 output = proc.stdout.read()
                 aborted = proc.returncode != 0
                 results[variant].append(aborted)
-                if aborted:
-                    print(f"{variant}: exit {proc.returncode}: {output.strip().splitlines()[-1:]}", flush=True)
-    print(f"{'torchrun --nproc-per-node 1' if a.torchrun else 'python'}, {a.concurrent} at a time, "
+                if aborted:  # the lines that say why: torchrun's summary names the worker's signal
+                    why = [ln.strip() for ln in output.splitlines()
+                           if re.search(r"exitcode|terminate called|Signal \d+|Error:", ln)][:4]
+                    print(f"{variant}: exit {proc.returncode}: {why}", flush=True)
+    print(f"{f'torchrun --nproc-per-node {a.nproc}' if a.torchrun else 'python'}, {a.concurrent} at a time, "
           f"{time.time() - start:.0f} s")
     for variant in ("plain", "shutdown"):
         print(f"{variant:9s} aborts at exit: {sum(results[variant])} of {len(results[variant])}")

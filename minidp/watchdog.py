@@ -6,11 +6,12 @@ lines; nothing says which rank never arrived, nor where it is stuck.
 
 How, off the hot path: each rank keeps its place in memory (`Progress`: iteration, phase, bucket;
 written by the engine per step and per bucket, never per gradient: minidp/engine/progress.py). A
-daemon thread (`Watchdog`, started by minidp.init) publishes it to the process group's store every
-INTERVAL_S, with the rank's host and pid, and answers stack requests: it prints its main thread's
-Python stack and writes it to the store. A rank whose collective fails calls `report()`: it reads
-every rank's progress, names the ranks behind it (or whose process is gone), asks those still alive
-for their stacks (waiting at most STACK_WAIT_S), prints all that and returns it for the error.
+daemon thread (`Watchdog`, started by minidp.init) publishes it to the process group's store within
+LOOK_S of a change (at least every INTERVAL_S), with the rank's host and pid, and answers stack
+requests: it prints its main thread's Python stack and writes it to the store. A rank whose
+collective fails calls `report()`: it reads every rank's progress, names the ranks behind it (or
+whose process is gone), asks those still alive for their stacks (waiting at most STACK_WAIT_S),
+prints all that and returns it for the error.
 Nothing here touches a tensor: the numbers a step computes do not change.
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ import traceback
 
 import torch.distributed as dist
 
-INTERVAL_S = 0.25  # how often a rank publishes its progress and looks for stack requests
+INTERVAL_S = 0.25  # how often a rank looks for stack requests, and publishes its progress at the latest
+LOOK_S = 0.05  # how often it looks whether its progress changed (then it publishes at once)
 STACK_WAIT_S = 3.0  # how long a failing rank waits for the stacks it asked for
 PHASES = ("start", "forward", "backward", "finalize", "after backward")  # the order of a step
 _SAYS = {"start": "before its first forward", "forward": "in the forward",
@@ -109,10 +111,18 @@ class Watchdog:
         atexit.register(self.stop)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        # A change is published within LOOK_S (a rank that dies leaves its last place), a heartbeat and
+        # a look for stack requests every `interval`: a few store calls a second, on this thread only.
+        last, next_beat = None, 0.0
+        while not self._stop.wait(min(LOOK_S, self.interval)):
+            now, place = time.monotonic(), self.progress.as_dict()
             try:
-                self._publish()
-                self._answer()
+                if place != last or now >= next_beat:
+                    self._publish()
+                    last = place
+                if now >= next_beat:
+                    self._answer()
+                    next_beat = now + self.interval
             except Exception:  # the store is gone (its host died or ended): nothing left to tell
                 return
 
