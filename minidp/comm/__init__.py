@@ -6,6 +6,7 @@
     model.register_comm_hook(state, hook)       # minidp.DDP or torch DDP
     state.stats()                               # {"steps", "bytes_sent", "bytes_dense", "ratio"}
 
+The reference (wire formats, byte formulas, error feedback, transports): minidp/comm/README.md.
 The pieces (GRACE's split, run inside DDP's buckets):
   interfaces.py   the two kinds of method: Compressor (compress/decompress; one round, exchanged by
                   minidp.comm) and MultiRound (reduce: its own collectives); payload_bytes optional
