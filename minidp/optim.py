@@ -1,8 +1,9 @@
-"""Layer-wise adaptive optimizers for large batches: LARS and LAMB, as published.
+"""Layer-wise adaptive optimizers for large batches: LARS, LAMB and NovoGrad, as published.
 
-Both give each parameter tensor (a "layer") its own step size from the ratio of its norm to the
-norm of its update, so that no layer takes a step that is large relative to its weights; this is
-what keeps very large learning rates (large batches) stable.
+LARS and LAMB give each parameter tensor (a "layer") its own step size from the ratio of its norm
+to the norm of its update, so that no layer takes a step that is large relative to its weights;
+NovoGrad normalises each layer's gradient by a running average of its norm. Either way no layer's
+step depends on the scale of its gradient, which keeps very large learning rates (large batches) stable.
 
 Parameter groups may set `weight_decay` and `trust_ratio` (True/False) on their own;
 `exclude_bias_and_norm(model)` builds the usual two groups, where biases and normalisation
@@ -70,7 +71,7 @@ def _check_group(name: str, group: Dict) -> None:
         if not 0 <= low <= high:
             raise ValueError(f"{name}: weight_norm_clamp={group['weight_norm_clamp']!r} must be (low, high) "
                              "with 0 <= low <= high")
-    for flag in ("trust_ratio", "bias_correction"):
+    for flag in ("trust_ratio", "bias_correction", "grad_averaging"):
         if flag in group:
             check_bool(f"{name}: {flag}", group[flag])
 
@@ -204,4 +205,59 @@ class LAMB(_LayerwiseOptimizer):
         p.sub_(r * group["lr"])
 
 
-__all__ = ["LARS", "LAMB", "exclude_bias_and_norm"]
+class NovoGrad(_LayerwiseOptimizer):
+    """NovoGrad: layer-wise second moments (Ginsburg et al. 2019, "Stochastic Gradient Methods with
+    Layer-wise Adaptive Moments for Training of Deep Networks", Algorithm 1).
+
+    For every parameter tensor w (a layer) with gradient g, at step t = 1, 2, ...:
+
+        v = ||g||^2                                   (t = 1)
+        v = beta2 * v + (1 - beta2) * ||g||^2         (t > 1; v is one number per layer)
+        u = g / (sqrt(v) + eps) + weight_decay * w
+        m = u                                         (t = 1)
+        m = beta1 * m + a * u                         (t > 1; a = 1 - beta1 with grad_averaging, else 1)
+        w = w - lr * m
+
+    Choices where implementations differ, all the paper's: the first step sets v and m from the first
+    gradient (no zero start, so no bias correction); weight decay is added to the normalised gradient,
+    inside the first moment; no gradient averaging by default (grad_averaging=True gives apex's and
+    OpenSeq2Seq's option, which makes m an average rather than a sum: the lr to use is 1/(1-beta1) times
+    larger). eps sits outside the square root. Groups that set trust_ratio (exclude_bias_and_norm) are
+    accepted: NovoGrad has no trust ratio, the group's weight_decay=0 is what applies.
+
+    Args:
+        params: parameters or param groups; groups may set any argument below.
+        lr: learning rate lambda, >= 0. Default 0.01.
+        betas: (beta1, beta2), each in [0, 1). Default (0.95, 0.98) (the paper's).
+        eps: > 0, guards a layer whose gradient is zero. Default 1e-8.
+        weight_decay: d, >= 0. Default 0.
+        grad_averaging: multiply the new term of m by (1 - beta1) after the first step. Default False.
+    """
+
+    def __init__(self, params, lr: float = 0.01, betas: Tuple[float, float] = (0.95, 0.98), eps: float = 1e-8,
+                 weight_decay: float = 0.0, grad_averaging: bool = False) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
+                        weight_decay=weight_decay, grad_averaging=grad_averaging)
+        super().__init__(params, defaults)
+
+    def _update(self, p, grad, state, group) -> None:
+        beta1, beta2 = group["betas"]
+        # The layer's squared norm in float32 at least: a float16 sum of squares overflows at 256.
+        sq = torch.linalg.vector_norm(grad, dtype=torch.promote_types(grad.dtype, torch.float32)) ** 2
+        first = not state
+        if first:
+            state["step"], state["exp_avg_sq"] = 0, sq
+        else:
+            state["exp_avg_sq"].mul_(beta2).add_(sq, alpha=1 - beta2)
+        state["step"] += 1
+        u = grad / (state["exp_avg_sq"].sqrt() + group["eps"]).to(grad.dtype)
+        if group["weight_decay"]:
+            u.add_(p, alpha=group["weight_decay"])
+        if first:
+            state["exp_avg"] = u
+        else:
+            state["exp_avg"].mul_(beta1).add_(u, alpha=1 - beta1 if group["grad_averaging"] else 1.0)
+        p.sub_(state["exp_avg"] * group["lr"])
+
+
+__all__ = ["LARS", "LAMB", "NovoGrad", "exclude_bias_and_norm"]

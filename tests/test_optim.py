@@ -1,11 +1,11 @@
-"""minidp.optim.LARS and LAMB against the published formulas, written out plainly in float64."""
+"""minidp.optim.LARS, LAMB and NovoGrad against the published formulas, written out plainly in float64."""
 import copy
 
 import pytest
 import torch
 from torch import nn
 
-from minidp.optim import LAMB, LARS, exclude_bias_and_norm
+from minidp.optim import LAMB, LARS, NovoGrad, exclude_bias_and_norm
 
 F64 = torch.float64
 TOL = 1e-12
@@ -38,6 +38,26 @@ def lamb_reference(w, grads, lrs, betas, eps, weight_decay, trust_ratio, clamp=N
         ratio = phi / r.norm().item() if trust_ratio and phi > 0 and r.norm().item() > 0 else 1.0
         w = w - lr * ratio * r
     return w
+
+
+def novograd_reference(weights, grads, lr, betas, eps, decays, averaging=False):
+    """Ginsburg et al. 2019, Algorithm 1, one step for a list of layers; `weights` and the state are plain lists.
+
+    Returns the new weights; the state (v, m per layer) lives in `novograd_reference.state`, reset by the caller.
+    """
+    (b1, b2), state, new = betas, novograd_reference.state, []
+    for i, (w, g, d) in enumerate(zip(weights, grads, decays)):
+        norm_sq = float((g * g).sum())
+        if i not in state:  # t = 1: v_1 = ||g_1||^2, m_1 = g_1 / sqrt(v_1) + d * w_1
+            v = norm_sq
+            m = g / (v ** 0.5 + eps) + d * w
+        else:
+            v_prev, m_prev = state[i]
+            v = b2 * v_prev + (1 - b2) * norm_sq
+            m = b1 * m_prev + (1 - b1 if averaging else 1.0) * (g / (v ** 0.5 + eps) + d * w)
+        state[i] = (v, m)
+        new.append(w - lr * m)
+    return new
 
 
 def _problem(seed):
@@ -135,10 +155,58 @@ def _train(make_optimizer, steps=60):
 @pytest.mark.parametrize("make_optimizer", [
     lambda groups: LARS(groups, lr=0.5, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.02),
     lambda groups: LAMB(groups, lr=0.05, weight_decay=0.01),
-], ids=["LARS", "LAMB"])
+    lambda groups: NovoGrad(groups, lr=0.03, weight_decay=1e-3),
+], ids=["LARS", "LAMB", "NovoGrad"])
 def test_trains_a_small_model(make_optimizer):
     losses = _train(make_optimizer)
     assert losses[-1] < 0.3 * losses[0], losses[::10]
+
+
+def _novograd_model():
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.LayerNorm(16), nn.Tanh(),
+                         nn.Linear(16, 3)).double()
+
+
+@pytest.mark.parametrize("weight_decay, averaging", [(0.0, False), (0.01, False), (0.01, True)])
+def test_novograd_matches_paper_over_20_steps(weight_decay, averaging):
+    # A model of several layers trained by NovoGrad and, from the same start and data, by the paper's
+    # update written out above (its own gradients, its own weights): 20 steps, lr changing mid-way.
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 6, generator=gen, dtype=F64), torch.randint(0, 3, (32,), generator=gen)
+    ours, theirs = _novograd_model(), _novograd_model()
+    groups = exclude_bias_and_norm(ours)  # decay on the three weight matrices only, as the examples do
+    opt = NovoGrad(groups, lr=0.01, betas=(0.9, 0.98), eps=1e-8, weight_decay=weight_decay, grad_averaging=averaging)
+    decays = [weight_decay if p.dim() > 1 else 0.0 for p in theirs.parameters()]
+    novograd_reference.state = {}
+    for step in range(20):
+        lr = 0.01 if step < 10 else 0.004
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad()
+        nn.functional.cross_entropy(ours(x), y).backward()
+        opt.step()
+        theirs.zero_grad()
+        nn.functional.cross_entropy(theirs(x), y).backward()
+        params = list(theirs.parameters())
+        new = novograd_reference([p.detach() for p in params], [p.grad for p in params], lr, (0.9, 0.98), 1e-8,
+                                 decays, averaging)
+        with torch.no_grad():
+            for p, w in zip(params, new):
+                p.copy_(w)
+    assert _max_diff(list(ours.parameters()), list(theirs.parameters())) <= 1e-6
+    assert _max_diff(list(ours.parameters()), list(_novograd_model().parameters())) > 1e-3  # it did train
+
+
+def test_novograd_state_is_one_number_per_layer_and_a_zero_gradient_keeps_it_finite():
+    w = nn.Parameter(torch.ones(3, 2))
+    opt = NovoGrad([w], lr=0.1)
+    w.grad = torch.zeros(3, 2)
+    opt.step()
+    assert opt.state[w]["exp_avg_sq"].shape == () and torch.equal(w, torch.ones(3, 2))
+    w.grad = torch.full((3, 2), 2.0)
+    opt.step()  # v = 0.98 * 0 + 0.02 * 24, m = 0.95 * 0 + g / sqrt(v)
+    assert torch.allclose(w, torch.full((3, 2), 1 - 0.1 * 2.0 / (0.02 * 24) ** 0.5))
 
 
 def test_closure_and_state_dict_round_trip():
@@ -186,6 +254,13 @@ def test_exclude_bias_and_norm():
     (LAMB, dict(weight_norm_clamp=(2.0, 1.0)), ValueError, r"weight_norm_clamp=\(2.0, 1.0\) must be \(low, high\)"),
     (LAMB, dict(weight_norm_clamp=1.0), TypeError, r"LAMB: weight_norm_clamp=1.0 must be a pair of numbers"),
     (LAMB, dict(bias_correction=1), TypeError, r"LAMB: bias_correction=1 must be True or False"),
+    (NovoGrad, dict(lr=-0.01), ValueError, r"NovoGrad: lr=-0.01 must be >= 0"),
+    (NovoGrad, dict(eps=0), ValueError, r"NovoGrad: eps=0 must be > 0"),
+    (NovoGrad, dict(betas=(0.95, 1.5)), ValueError, r"NovoGrad: betas=\(0.95, 1.5\) must be two numbers in \[0, 1\)"),
+    (NovoGrad, dict(betas=0.9), TypeError, r"NovoGrad: betas=0.9 must be a pair of numbers"),
+    (NovoGrad, dict(weight_decay=-1), ValueError, r"NovoGrad: weight_decay=-1 must be >= 0"),
+    (NovoGrad, dict(weight_decay="0"), TypeError, r"NovoGrad: weight_decay='0' must be a number"),
+    (NovoGrad, dict(grad_averaging="yes"), TypeError, r"NovoGrad: grad_averaging='yes' must be True or False"),
 ])
 def test_bad_input(cls, kwargs, error, match):
     with pytest.raises(error, match=match):
