@@ -30,8 +30,8 @@ import minidp
 from minidp.data.dali import IMAGENET_MEAN, IMAGENET_STD
 
 MEAN, STD = IMAGENET_MEAN, IMAGENET_STD  # torchvision's Normalize values, the DALI loader's defaults
-DEFAULT_LR = {"sgd": 0.05, "lars": 0.05, "lamb": 2e-3}  # base lr for one worker, before scaling
-DEFAULT_WD = {"sgd": 5e-4, "lars": 5e-4, "lamb": 0.01}
+DEFAULT_LR = {"sgd": 0.05, "lars": 0.05, "lamb": 2e-3, "novograd": 5e-3}  # base lr for one worker, before scaling
+DEFAULT_WD = {"sgd": 5e-4, "lars": 5e-4, "lamb": 0.01, "novograd": 1e-3}
 # A small, fast preset for tests: 60 + 20 images of 16x16, a narrow net, a few steps.
 TINY = dict(train_per_class=6, val_per_class=2, image_size=16, width=8, batch_size=4, epochs=1, max_steps=3)
 
@@ -57,9 +57,11 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=positive, default=3)
     p.add_argument("--batch-size", type=positive, default=32, help="images per worker per step")
     p.add_argument("--lr", type=float, default=None, help=f"base lr for one worker, default {DEFAULT_LR}; "
-                   "scaled by the world size (sqrt for lamb) after a linear warm-up")
+                   "scaled by the world size (sqrt for lamb and novograd) after a linear warm-up")
     p.add_argument("--warmup-epochs", type=float, default=1.0)
-    p.add_argument("--optimizer", choices=("sgd", "lars", "lamb"), default="sgd")
+    p.add_argument("--optimizer", choices=("sgd", "lars", "lamb", "novograd"), default="sgd")
+    p.add_argument("--amp", action="store_true", help="mixed precision: float16 autocast and a GradScaler "
+                   "on CUDA, bfloat16 autocast on CPU")
     p.add_argument("--engine", choices=("minidp", "ddp"), default="minidp", help="ddp = torch's DDP")
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all workers")
     p.add_argument("--data", default=None, help="ImageFolder root with train/ and val/ sub-folders; "
@@ -222,8 +224,12 @@ def cosine(step: int, total: int) -> float:
 
 
 def lr_rule(args: argparse.Namespace) -> str:
-    """How the lr grows with the world size: linearly for SGD/LARS, by its square root for LAMB (Adam)."""
-    return "sqrt" if args.optimizer == "lamb" else "linear"
+    """How the lr grows with the world size: linearly for SGD/LARS, by its square root for LAMB and NovoGrad.
+
+    LAMB's Adam moments and NovoGrad's per-layer gradient norms make the step's size independent of the
+    gradient's scale, as Adam's is: the square-root rule is the one for such adaptive methods.
+    """
+    return "sqrt" if args.optimizer in ("lamb", "novograd") else "linear"
 
 
 def make_optimizer(model: nn.Module, args: argparse.Namespace, steps_per_epoch: int, world_size: int):
@@ -234,13 +240,34 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace, steps_per_epoch: 
         opt = torch.optim.SGD(groups, lr=args.lr, momentum=0.9, weight_decay=wd)
     elif args.optimizer == "lars":
         opt = minidp.optim.LARS(groups, lr=args.lr, momentum=0.9, weight_decay=wd, trust_coefficient=0.02)
-    else:
+    elif args.optimizer == "lamb":
         opt = minidp.optim.LAMB(groups, lr=args.lr, weight_decay=wd)
+    else:
+        opt = minidp.optim.NovoGrad(groups, lr=args.lr, weight_decay=wd)
     total = args.epochs * steps_per_epoch
     warmup = min(total, round(args.warmup_epochs * steps_per_epoch))
     sched = minidp.lr.warmup_scheduler(opt, warmup_steps=warmup, world_size=world_size,
                                        rule=lr_rule(args), decay=functools.partial(cosine, total=total - warmup))
     return opt, sched
+
+
+def autocast(args: argparse.Namespace, device: torch.device):
+    """The forward's mixed-precision context: float16 on CUDA, bfloat16 on CPU; a no-op without --amp.
+
+    Only the forward and the loss run in it: parameters, gradients and optimizer state stay float32.
+    """
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    return torch.autocast(device.type, dtype=dtype, enabled=args.amp)
+
+
+def grad_scaler(args: argparse.Namespace, device: torch.device) -> torch.amp.GradScaler:
+    """A GradScaler for float16 (--amp on CUDA); disabled otherwise, where its calls pass straight through.
+
+    bfloat16 has float32's exponent range, so CPU autocast needs no loss scaling. Every rank makes the same
+    skip decision without any extra collective: the engines average the gradients during backward, before
+    scaler.step() unscales them, so an inf or NaN on one rank reaches every rank's averaged gradients.
+    """
+    return torch.amp.GradScaler(device.type, enabled=args.amp and device.type == "cuda")
 
 
 # ----------------------------------------------------------------------------- evaluation, checkpoints
@@ -288,13 +315,14 @@ def save_checkpoint(folder: str, epoch: int, model, opt, sched, extra: dict) -> 
     return path
 
 
-def resume(args, model, opt, sched) -> tuple[int, list]:
+def resume(args, model, opt, sched, scaler=None) -> tuple[int, list]:
     """(first epoch to train, history so far): from the newest --checkpoint file after a restart, else (0, []).
 
     A restart is what torchrun (--max-restarts) and `python -m minidp.run --max-restarts` start after a
     worker failed: TORCHELASTIC_RESTART_COUNT > 0. Only then is an existing checkpoint picked up, so a
     fresh run never continues an old one by surprise. Every rank loads (its own RNG state included):
-    the resumed run goes on exactly as the interrupted one would have.
+    the resumed run goes on exactly as the interrupted one would have. `scaler` (--amp on CUDA) gets the
+    loss scale the checkpoint's extra["grad_scaler"] recorded.
     """
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if attempt == 0 or not args.checkpoint or not os.path.isdir(args.checkpoint):
@@ -304,5 +332,7 @@ def resume(args, model, opt, sched) -> tuple[int, list]:
         return 0, []
     path = os.path.join(args.checkpoint, f"epoch{max(done)}.pt")
     payload = minidp.load_checkpoint(path, model, opt, sched)
+    if scaler is not None and payload["extra"].get("grad_scaler"):
+        scaler.load_state_dict(payload["extra"]["grad_scaler"])
     minidp.print0(f"restart {attempt}: resumed from {path} ({payload['epoch'] + 1} of {args.epochs} epochs done)")
     return payload["epoch"] + 1, list(payload["extra"].get("history", []))

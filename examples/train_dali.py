@@ -12,6 +12,9 @@ Differences from the torchvision path: DALI shards the files itself (shard sizes
 one; no DistributedSampler), training drops each shard's incomplete last batch, and validation
 keeps every file once, so a rank's last validation batch may be short or empty. The checkpoint
 records no sampler state (resuming mid-epoch is not supported here).
+
+With --amp the pipelines still give float32 images, the dtype of the model's parameters: autocast casts
+them inside the model's float16 (CUDA) or bfloat16 (CPU) ops, so the model runs with or without --amp.
 """
 from __future__ import annotations
 

@@ -55,8 +55,14 @@ def build_loaders(args, env: minidp.DistEnv) -> common.Loaders:
                           lambda done: {"sampler": sampler.state_dict(consumed=done * args.batch_size)})
 
 
-def train_one_epoch(model, opt, sched, loaders: common.Loaders, env, epoch: int, args, step_times: list) -> dict:
-    """One pass over this rank's shard (at most loaders.steps_per_epoch steps); loss summed over ranks."""
+def train_one_epoch(model, opt, sched, loaders: common.Loaders, env, epoch: int, args, step_times: list,
+                    scaler=None) -> dict:
+    """One pass over this rank's shard (at most loaders.steps_per_epoch steps); loss summed over ranks.
+
+    With --amp the forward runs under common.autocast, and `scaler` (common.grad_scaler: active for float16
+    on CUDA, a pass-through otherwise) scales the loss and skips a step whose gradients hold an inf or NaN.
+    """
+    scaler = common.grad_scaler(args, env.device) if scaler is None else scaler
     cuda = env.device.type == "cuda"
     loss_sum, count = torch.zeros((), device=env.device), 0
     # Rank 0 only; disable=None also turns the bar off when stderr is not a terminal (logs stay clean).
@@ -69,10 +75,12 @@ def train_one_epoch(model, opt, sched, loaders: common.Loaders, env, epoch: int,
         if cuda:
             torch.cuda.synchronize()  # time the step, not the copy
         start = time.perf_counter()
-        loss = F.cross_entropy(model(images), labels)
+        with common.autocast(args, env.device):
+            loss = F.cross_entropy(model(images), labels)
         opt.zero_grad(set_to_none=True)
-        loss.backward()  # the engine averages the gradients over the ranks here
-        opt.step()
+        scaler.scale(loss).backward()  # the engine averages the gradients over the ranks here
+        scaler.step(opt)  # unscales the averaged gradients: every rank finds the same inf, skips the same step
+        scaler.update()
         sched.step()
         if cuda:
             torch.cuda.synchronize()
@@ -95,12 +103,13 @@ def fit(args, env: minidp.DistEnv, loaders: common.Loaders) -> dict:
     minidp.print0(f"{args.engine}: {env.world_size} workers x {args.batch_size} images, {loaders.steps_per_epoch} "
                   f"steps/epoch, {args.optimizer} lr {args.lr} warmed up to "
                   f"{minidp.lr.scaled_lr(args.lr, env.world_size, rule=common.lr_rule(args)):g} "
-                  f"(sync-bn {args.sync_bn}), ResNet-18 width {args.width}, device {env.device}")
-    first, history = common.resume(args, model, opt, sched)  # after a restart: the newest checkpoint's epoch
+                  f"(sync-bn {args.sync_bn}, amp {args.amp}), ResNet-18 width {args.width}, device {env.device}")
+    scaler = common.grad_scaler(args, env.device)
+    first, history = common.resume(args, model, opt, sched, scaler)  # after a restart: the newest checkpoint's epoch
     step_times, path = [], None
     for epoch in range(first, args.epochs):
         loaders.set_epoch(epoch)
-        train = train_one_epoch(model, opt, sched, loaders, env, epoch, args, step_times)
+        train = train_one_epoch(model, opt, sched, loaders, env, epoch, args, step_times, scaler)
         common.sync_buffers(model.module)  # ranks meet here
         val = common.evaluate(model.module, loaders.val, env.device)
         history.append(dict(epoch=epoch, train_loss=train["loss_sum"] / train["count"],
@@ -112,7 +121,7 @@ def fit(args, env: minidp.DistEnv, loaders: common.Loaders) -> dict:
         if args.checkpoint:
             path = common.save_checkpoint(args.checkpoint, epoch, model, opt, sched, {
                 **loaders.state(loaders.steps_per_epoch), "args": vars(args), "metrics": history[-1],
-                "history": history})
+                "history": history, "grad_scaler": scaler.state_dict()})
     timed = step_times[WARM_STEPS:] if len(step_times) > 2 * WARM_STEPS else step_times
     return dict(engine=args.engine, world_size=env.world_size, steps=len(step_times), history=history,
                 median_step_s=statistics.median(timed) if timed else None, step_times=step_times, checkpoint=path)

@@ -1,6 +1,8 @@
 """minidp.data.dali: a DALI pipeline sharded by rank, over a tiny generated image folder (CPU; GPU marked).
 
-Every image is one solid colour whose red channel encodes the file's id (10 * id), so a batch can be
+First, the DALI example (examples/train_dali.py) trained with minidp and with torch DDP in the same two
+ranks, one after the other, with --amp (bfloat16 on CPU) and NovoGrad: the two must end bitwise equal.
+Then the loader itself: every image is one solid colour whose red channel encodes the file's id (10 * id), so a batch can be
 traced back to its files without any side channel: sharding, padding and shard moves are checked
 on the pixels the pipeline actually produced.
 """
@@ -15,7 +17,16 @@ import torch
 pytest.importorskip("nvidia.dali")
 from PIL import Image  # noqa: E402
 
+import minidp  # noqa: E402
+from harness import run_ranks  # noqa: E402
 from minidp.data.dali import image_folder_loader, list_image_folder  # noqa: E402
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+sys.path.insert(0, EXAMPLES)
+import common  # noqa: E402 - examples/ is not a package
+import demo  # noqa: E402
+import train_dali  # noqa: E402
+import train_torchvision  # noqa: E402
 
 COUNTS = {"ant": 9, "bee": 8, "cat": 8}  # 25 files: shards of 12 and 13 at world size 2
 N = sum(COUNTS.values())
@@ -37,6 +48,43 @@ def folder(tmp_path_factory):
             file_id += 1
     (root / "bee" / "notes.txt").write_text("not an image")
     return str(root)
+
+
+class _Dtypes:
+    """A training loader that records the dtype of every image batch it yields."""
+
+    def __init__(self, loader, seen: set):
+        self.loader, self.seen = loader, seen
+
+    def __iter__(self):
+        for images, labels in self.loader:
+            self.seen.add(str(images.dtype))
+            yield images, labels
+
+
+def _both_engines_worker(folder: str) -> dict:
+    """Train the DALI example's tiny run with minidp, then with torch DDP, in this one process group."""
+    env = minidp.init()
+    out = {"dtypes": set()}
+    for engine in ("minidp", "ddp"):
+        args = common.parse_args("test", ["--tiny", "--synthetic-dir", folder, "--optimizer", "novograd", "--amp",
+                                          "--engine", engine, "--checkpoint", os.path.join(folder, engine)])
+        loaders = train_dali.build_loaders(args, env)  # fresh pipelines: the same batches for both engines
+        loaders.train = _Dtypes(loaders.train, out["dtypes"])
+        out[engine] = train_torchvision.fit(args, env, loaders)
+    return out
+
+
+def test_dali_example_with_amp_and_novograd_minidp_equals_torch_ddp(tmp_path):
+    # One launch of two ranks (no torchrun: that form runs in test_torchrun.py), both engines in turn.
+    results = run_ranks(_both_engines_worker, 2, str(tmp_path), init=False, timeout=240)
+    mine, ddp = results[0]["minidp"], results[0]["ddp"]
+    assert mine["steps"] == ddp["steps"] == common.TINY["max_steps"] and mine["world_size"] == 2
+    # The pipeline still gives float32 images: autocast casts them inside the model's bfloat16 ops.
+    assert all(r["dtypes"] == {"torch.float32"} for r in results)
+    assert demo.max_difference(mine["checkpoint"], ddp["checkpoint"])[0] == 0.0
+    assert mine["history"] == ddp["history"] and mine["history"][0]["val_count"] == 20
+    assert mine["history"][0]["train_loss"] > 0
 
 
 def _loader(folder, rank, world_size=2, **kw):

@@ -57,8 +57,8 @@ def _minidp_in_process(tmp_path, options, monkeypatch) -> dict:
 
 
 def test_torchvision_minidp_equals_torch_ddp_under_torchrun(tmp_path, monkeypatch):
-    # The same tiny run twice, on the same data and seed, with SyncBatchNorm and LARS.
-    same = ["--synthetic-dir", str(tmp_path / "data"), "--sync-bn", "--optimizer", "lars"]
+    # The same tiny run twice, on the same data and seed, with SyncBatchNorm, LARS and --amp (bfloat16 on CPU).
+    same = ["--synthetic-dir", str(tmp_path / "data"), "--sync-bn", "--optimizer", "lars", "--amp"]
     torchrun = _torchrun_ddp(tmp_path, same)
     try:
         out = _minidp_in_process(tmp_path, same, monkeypatch)
@@ -93,7 +93,7 @@ def test_torchvision_minidp_equals_torch_ddp_under_torchrun(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("optimizer, cls", [("sgd", torch.optim.SGD), ("lars", minidp.optim.LARS),
-                                            ("lamb", minidp.optim.LAMB)])
+                                            ("lamb", minidp.optim.LAMB), ("novograd", minidp.optim.NovoGrad)])
 def test_make_optimizer_warms_up_to_the_scaled_lr_then_decays(optimizer, cls):
     args = common.parse_args("test", ["--optimizer", optimizer, "--epochs", "2", "--warmup-epochs", "0.5"])
     opt, sched = common.make_optimizer(common.resnet18_cifar(10, width=4), args, steps_per_epoch=4, world_size=4)
@@ -103,10 +103,25 @@ def test_make_optimizer_warms_up_to_the_scaled_lr_then_decays(optimizer, cls):
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    peak = minidp.lr.scaled_lr(args.lr, 4, rule="sqrt" if optimizer == "lamb" else "linear")
+    peak = minidp.lr.scaled_lr(args.lr, 4, rule="sqrt" if optimizer in ("lamb", "novograd") else "linear")
     assert lrs[0] == pytest.approx(args.lr) and lrs[2] == pytest.approx(peak)  # 2 warm-up steps, then the peak
     assert lrs[2:] == pytest.approx([peak * common.cosine(s, 6) for s in range(6)])  # cosine over the 6 others
     assert sched.state_dict()["lr_lambdas"] == [{}, {}]  # nothing unpicklable goes into a checkpoint
+
+
+def test_amp_is_bfloat16_autocast_on_cpu_without_loss_scaling():
+    model = common.resnet18_cifar(10, width=4)
+    for amp in (False, True):
+        args = common.parse_args("test", ["--amp"] if amp else [])
+        seen = []
+        hook = model.conv1.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        with common.autocast(args, torch.device("cpu")):
+            loss = torch.nn.functional.cross_entropy(model(torch.zeros(2, 3, 8, 8)), torch.tensor([0, 1]))
+        hook.remove()
+        assert seen == [torch.bfloat16 if amp else torch.float32] and loss.dtype == torch.float32
+        scaler = common.grad_scaler(args, torch.device("cpu"))
+        assert not scaler.is_enabled() and scaler.scale(loss) is loss  # bfloat16 needs no loss scale
+    assert model.fc.weight.dtype == torch.float32  # the parameters stay float32
 
 
 def _args(tmp_path, **kw):
