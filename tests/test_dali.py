@@ -2,9 +2,9 @@
 
 First, the DALI example (examples/train_dali.py) trained with minidp and with torch DDP in the same two
 ranks, one after the other, with --amp (bfloat16 on CPU) and NovoGrad: the two must end bitwise equal.
-Then the loader itself: every image is one solid colour whose red channel encodes the file's id (10 * id), so a batch can be
-traced back to its files without any side channel: sharding, padding and shard moves are checked
-on the pixels the pipeline actually produced.
+Then the loader itself: every image is one solid colour whose red channel encodes the file's id
+(10 * id), so a batch can be traced back to its files without any side channel: sharding, padding and
+shard moves are checked on the pixels the pipeline actually produced.
 """
 import os
 import re
@@ -23,10 +23,11 @@ from minidp.data.dali import image_folder_loader, list_image_folder  # noqa: E40
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 sys.path.insert(0, EXAMPLES)
-import common  # noqa: E402 - examples/ is not a package
 import demo  # noqa: E402
 import train_dali  # noqa: E402
 import train_torchvision  # noqa: E402
+
+import common  # noqa: E402 - examples/ is not a package
 
 COUNTS = {"ant": 9, "bee": 8, "cat": 8}  # 25 files: shards of 12 and 13 at world size 2
 N = sum(COUNTS.values())

@@ -114,7 +114,7 @@ def test_amp_is_bfloat16_autocast_on_cpu_without_loss_scaling():
     for amp in (False, True):
         args = common.parse_args("test", ["--amp"] if amp else [])
         seen = []
-        hook = model.conv1.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        hook = model.conv1.register_forward_hook(lambda m, i, o, seen=seen: seen.append(o.dtype))
         with common.autocast(args, torch.device("cpu")):
             loss = torch.nn.functional.cross_entropy(model(torch.zeros(2, 3, 8, 8)), torch.tensor([0, 1]))
         hook.remove()
