@@ -183,6 +183,10 @@ def autocast(args: argparse.Namespace, device: torch.device):
     """The forward's mixed-precision context: float16 on CUDA, bfloat16 on CPU; a no-op without --amp.
 
     Only the forward and the loss run in it: parameters, gradients and optimizer state stay float32.
+
+    Args:
+        args: the parsed options (args.amp).
+        device: the rank's device; its type picks the autocast device and the dtype.
     """
     dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     return torch.autocast(device.type, dtype=dtype, enabled=args.amp)
@@ -193,7 +197,12 @@ def grad_scaler(args: argparse.Namespace, device: torch.device) -> torch.amp.Gra
 
     bfloat16 has float32's exponent range, so CPU autocast needs no loss scaling. Every rank makes the same
     skip decision without any extra collective: the engines average the gradients during backward, before
-    scaler.step() unscales them, so an inf or NaN on one rank reaches every rank's averaged gradients.
+    scaler.step() unscales them, so an inf or NaN on one rank reaches every rank's averaged gradients
+    (tests/test_amp.py checks it with an inf on one rank only).
+
+    Args:
+        args: the parsed options (args.amp).
+        device: the rank's device; the scaler is enabled on CUDA only.
     """
     return torch.amp.GradScaler(device.type, enabled=args.amp and device.type == "cuda")
 

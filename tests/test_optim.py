@@ -209,14 +209,15 @@ def test_novograd_state_is_one_number_per_layer_and_a_zero_gradient_keeps_it_fin
     assert torch.allclose(w, torch.full((3, 2), 1 - 0.1 * 2.0 / (0.02 * 24) ** 0.5))
 
 
-def test_closure_and_state_dict_round_trip():
+@pytest.mark.parametrize("cls", [LAMB, NovoGrad])
+def test_closure_and_state_dict_round_trip(cls):
     params, grads = _problem(4)
     p = nn.Parameter(params[0].clone())
-    opt = LAMB([p], lr=0.1)
+    opt = cls([p], lr=0.1)
     p.grad = grads[0][0].clone()
     assert opt.step(lambda: 3.0) == 3.0
     clone = copy.deepcopy(p)
-    opt2 = LAMB([clone], lr=0.1)
+    opt2 = cls([clone], lr=0.1)
     opt2.load_state_dict(copy.deepcopy(opt.state_dict()))  # as after torch.save/load: no shared tensors
     for q, o in ((p, opt), (clone, opt2)):
         q.grad = grads[1][0].clone()
@@ -272,3 +273,5 @@ def test_bad_param_group():
         LARS([{"params": [nn.Parameter(torch.ones(2))], "momentum": 2}])
     with pytest.raises(TypeError, match=r"LAMB: trust_ratio='no' must be True or False"):
         LAMB([{"params": [nn.Parameter(torch.ones(2))], "trust_ratio": "no"}])
+    with pytest.raises(ValueError, match=r"NovoGrad: betas=\(0.95, -0.5\) must be two numbers in \[0, 1\)"):
+        NovoGrad([{"params": [nn.Parameter(torch.ones(2))], "betas": (0.95, -0.5)}])
