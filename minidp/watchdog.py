@@ -182,7 +182,7 @@ class Watchdog:
         alive = {r: process_alive(records[r], self.host) if records[r] else None for r in others}
         late = [r for r in others if records[r] is None or alive[r] is False or _order(records[r]) < _order(me)]
         # Nobody behind (e.g. a collective of the script's own): every peer's stack says more than none.
-        stacks = self._ask_stacks([r for r in (late or others) if alive[r] is not False])
+        stacks = self._ask_stacks([r for r in (late or others) if records[r] and alive[r] is not False])
         if any(alive[r] is None for r in late):  # on other hosts: alive if the thread still publishes
             later = self._read_records()
             for r in late:
@@ -204,7 +204,7 @@ class Watchdog:
         text = f"  rank {rank} ({where}): {describe(record)}; {state}"
         if stack:
             text += "; its main thread:\n" + "".join(f"    {line}\n" for line in stack.rstrip().splitlines())
-        elif alive is not False:
+        elif record and alive is not False:
             text += f"; no stack within {STACK_WAIT_S:g} s (frozen in C code holding the GIL?)"
         return text.rstrip()
 
