@@ -23,11 +23,13 @@ The pieces (GRACE's split, run inside DDP's buckets):
   hook.py         compression_hook, CompressionState (the worker thread and its side stream, the
                   contexts, the byte check)
   averaging.py    PeriodicAverager (local SGD, the baseline)
+  diloco.py       DiLoCo (local steps, an outer optimizer on the pseudo-gradient every `period` steps)
 """
 from .averaging import PeriodicAverager
 from .compressors import BF16, FP16, QSGD, RandomK, TopK
 from .context import Context
 from .cupy_nccl import CupyNccl
+from .diloco import DiLoCo
 from .exchange import Channel, Job
 from .hook import CompressionState, compression_hook
 from .interfaces import Compressor, MultiRound
@@ -45,6 +47,7 @@ __all__ = [
     "Compressor",
     "Context",
     "CupyNccl",
+    "DiLoCo",
     "ErrorFeedback",
     "Job",
     "Memory",
