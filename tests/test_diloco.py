@@ -20,6 +20,7 @@ from harness import error_of, run_ranks
 from minidp import comm
 from models import build
 
+ENGINES = ("plain", "minidp", "views", "torch")  # a plain module, minidp.DDP (also with bucket views), torch DDP
 PERIOD, STEPS = 3, 8  # syncs after steps 3 and 6; the run ends mid-period (ranks differ at the end)
 
 
@@ -103,10 +104,14 @@ def _diloco_run(engine):
     return out
 
 
+def _bucket_views(module):
+    return minidp.DDP(module, gradient_as_bucket_view=True)  # .grad tensors are views DiLoCo must not replace
+
+
 def _against_reference():
     return {"reference_ddp": _reference(False), "reference_plain": _reference(True),
             **{name: _diloco_run(engine) for name, engine in
-               (("plain", None), ("minidp", minidp.DDP), ("torch", TorchDDP))}}
+               (("plain", None), ("minidp", minidp.DDP), ("views", _bucket_views), ("torch", TorchDDP))}}
 
 
 def _against_averaging():
@@ -207,14 +212,14 @@ def _trainable_of(run):
 def test_diloco_equals_the_papers_algorithm_on_every_engine(two):
     for result in two:
         cases = result["reference"]
-        for name in ("plain", "minidp", "torch"):
+        for name in ENGINES:
             params, theta = cases["reference_plain" if name == "plain" else "reference_ddp"]
             run = cases[name]
             # bitwise (measured max abs difference 0.0): at world size 2 a sum of two terms has one order
             assert _max_diff(run["params"], params) == 0 and _max_diff(run["global"], theta) == 0, name
             assert run["synced"] == [t % PERIOD == 0 for t in range(1, STEPS + 1)], name
             assert run["grads_kept"], name
-    for name in ("plain", "minidp", "torch"):  # every rank ends a sync bitwise identical; local steps then differ
+    for name in ENGINES:  # every rank ends a sync bitwise identical; local steps then differ
         runs = [_trainable_of(two[r]["reference"][name]) for r in (0, 1)]
         assert all(torch.equal(a, b) for a, b in zip(runs[0]["after_sync"], runs[1]["after_sync"])), name
         assert _max_diff(runs[0]["params"], runs[1]["params"]) > 0, name
@@ -273,7 +278,8 @@ def _linear_and_outer():
     (lambda: comm.DiLoCo(*_linear_and_outer(), 2, warmup_steps=-1), ValueError, "warmup_steps=-1"),
     (lambda: comm.DiLoCo(*_linear_and_outer(), 2, process_group="world"), TypeError, "process_group='world'"),
     (lambda: comm.DiLoCo(nn.Linear(2, 2), _other_optimizer(), 2), ValueError,
-     "outer_optimizer=SGD must be built over the model's trainable parameters: it holds 2 tensor(s) that are not"),
+     "outer_optimizer=SGD must be built over the model's trainable parameters: it holds 2 tensor(s) not of the "
+     "model and misses 2 trainable one(s)"),
     (lambda: comm.DiLoCo(*_linear_and_outer(), 2), RuntimeError, "needs an initialised process group"),
 ])
 def test_bad_arguments_are_refused_with_their_name_and_value(make, error, words):

@@ -139,8 +139,11 @@ class DiLoCo:
         self.global_params = [p.detach().clone() for p in self.params]
 
     def stats(self) -> dict:
-        """This rank since the start: steps, bytes sent (warm-up gradients, the start's broadcast, the syncs'
-        parameters), the bytes exact gradient averaging would have sent (counted by the hook), their ratio."""
+        """This rank since the start: steps, bytes_sent, bytes_dense and their ratio.
+
+        bytes_sent: warm-up gradients, the broadcast that starts local training, each sync's parameters.
+        bytes_dense: what exact gradient averaging would have sent (counted by the hook; 0 on a plain module).
+        """
         sent, dense = self.bytes_sent, self.bytes_dense
         return {"steps": self.steps, "bytes_sent": sent, "bytes_dense": dense, "ratio": sent / dense if dense else 0.0}
 
@@ -164,14 +167,17 @@ class DiLoCo:
 
 
 def _check_outer_params(optimizer: torch.optim.Optimizer, every: list, trainable: list) -> None:
-    """The outer optimizer must step every trainable parameter of the model (else some would never move), and
-    nothing else (frozen ones may be listed: they never get a pseudo-gradient, so it skips them)."""
+    """Refuse an outer optimizer that misses a trainable parameter (it would never move) or holds a foreign one.
+
+    Frozen parameters of the model may be listed: they never get a pseudo-gradient, so it skips them.
+    """
     theirs = {id(p) for group in optimizer.param_groups for p in group["params"]}
     foreign, missing = len(theirs - {id(p) for p in every}), len({id(p) for p in trainable} - theirs)
     if foreign or missing:
         raise ValueError(f"outer_optimizer={type(optimizer).__name__} must be built over the model's trainable "
-                         f"parameters: it holds {foreign} tensor(s) that are not, and misses {missing} of them; "
-                         "build it as e.g. torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)")
+                         f"parameters: it holds {foreign} tensor(s) not of the model and misses {missing} trainable "
+                         "one(s); build it as e.g. torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, "
+                         "nesterov=True)")
 
 
 def _diloco_hook(diloco, bucket):  # no annotations: torch DDP accepts only its exact ones, or none
