@@ -8,6 +8,7 @@ strategy. Each rank writes OUT_DIR/lightning-<rank>.pt: final weights, steps, mi
 count, the checkpoints' keys. tests/test_frameworks.py compares them.
 """
 import glob
+import importlib
 import os
 import sys
 import warnings
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import minidp
 import minidp.lightning  # noqa: F401  registers strategy="minidp"
 
+importlib.reload(minidp.lightning)  # a second registration must not raise (a notebook re-running its imports)
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore")  # Lightning's advice (num_workers, logging intervals) is noise here
 OUT = sys.argv[1]
@@ -84,6 +86,7 @@ for saved, resumed in (("ddp", "minidp"), ("minidp", "ddp")):
     results[f"{saved}->{resumed}", accumulate] = fit(resumed, accumulate, ckpt_path=ckpt)
     results[f"{saved}->{resumed}", accumulate]["ckpt_keys"] = sorted(torch.load(ckpt, weights_only=False)["state_dict"])
 results["world_size"] = dist.get_world_size()
+results["registered"] = sorted(n for n in L.pytorch.strategies.StrategyRegistry if n.startswith("minidp"))
 torch.save(results, os.path.join(OUT, f"lightning-{dist.get_rank()}.pt"))
 dist.barrier()  # ranks meet here: rank 0 (the launcher) ends only after rank 1 wrote its file
 dist.destroy_process_group()

@@ -1,0 +1,163 @@
+"""minidp inside PyTorch Lightning and Hugging Face Accelerate, each against the framework's own torch-DDP path.
+
+One module fixture starts three real launches at once (world size 2, gloo, CPU) and waits for them:
+Lightning's own launcher (tests/scripts/frameworks_lightning.py: strategy "ddp" and "minidp"), and the
+Accelerate script (tests/scripts/frameworks_accelerate.py: accelerate.Accelerator and
+minidp.accelerate.Accelerator) under both `accelerate launch` and torchrun. Each script trains both paths
+in the same processes, with and without gradient accumulation, resumes each path's checkpoint under the
+other, and writes what it saw; the tests here compare the minidp path with the torch-DDP path, bitwise.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from minidp.launch import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+sys.path.insert(0, SCRIPTS)
+from processes import VENV_BIN, Command, clean_env  # noqa: E402
+
+# Looked up, not imported: importing Lightning here would cost this process seconds of CPU for nothing.
+for _framework in ("lightning", "accelerate"):
+    if importlib.util.find_spec(_framework) is None:
+        pytest.skip(f"needs {_framework}: pip install 'minidp[{_framework}]' (make test installs it)",
+                    allow_module_level=True)
+
+TIMEOUT_S = 240
+
+
+def _launches(out: str) -> dict:
+    """The three launches, each a Command started now (they run at once)."""
+    # No user config, cache or token: HF_HOME (Accelerate's config dir is under it) and caches in the temp folder.
+    env = clean_env(HF_HOME=os.path.join(out, "hf"), XDG_CACHE_HOME=os.path.join(out, "cache"),
+                    CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    accelerate = os.path.join(SCRIPTS, "frameworks_accelerate.py")
+    commands = {
+        # Lightning's launcher re-runs the script for rank 1; it reads the port from MASTER_PORT.
+        "lightning": [sys.executable, os.path.join(SCRIPTS, "frameworks_lightning.py"), out],
+        # Without a GPU, --multi_gpu is Accelerate's torchrun-based launcher; the script asks for cpu=True.
+        "accelerate": [os.path.join(VENV_BIN, "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+                       "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                       "--main_process_port", str(free_port()), accelerate, out, "accelerate"],
+        "torchrun": [os.path.join(VENV_BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                     "--master_port", str(free_port()), accelerate, out, "torchrun"],
+    }
+    return {name: Command(cmd, cwd=out, env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+                          if name == "lightning" else env, timeout=TIMEOUT_S)
+            for name, cmd in commands.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{launch name: [rank 0's results, rank 1's]}, once all three launches have ended."""
+    out = str(tmp_path_factory.mktemp("frameworks"))
+    commands = _launches(out)
+    results = {name: command.wait() for name, command in commands.items()}
+    for result in results.values():
+        assert result.returncode == 0, str(result)
+    return {name: [torch.load(os.path.join(out, f"{name}-{rank}.pt"), weights_only=False) for rank in (0, 1)]
+            for name in commands}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lightning_minidp_equals_ddp_bitwise(runs):
+    """Trainer(strategy="minidp") ends with torch DDP's weights, with and without accumulate_grad_batches."""
+    for ranks in runs["lightning"]:
+        assert ranks["world_size"] == 2
+        assert ranks["registered"] == ["minidp", "minidp_fork", "minidp_notebook", "minidp_spawn"]
+        for accumulate in (1, 3):
+            ddp, mini = ranks["ddp", accumulate], ranks["minidp", accumulate]
+            assert ddp["wrapper"] == "torch.DistributedDataParallel"
+            assert mini["wrapper"] == "minidp.DistributedDataParallel"
+            assert mini["strategy"] == "minidp.lightning.DDPStrategy"
+            assert mini["lightning_module_is_model"] and ddp["lightning_module_is_model"]
+            assert mini["steps"] == ddp["steps"]
+            assert _equal(mini["weights"], ddp["weights"]), f"accumulate_grad_batches={accumulate}"
+            # Accumulation went through minidp's no_sync(): one averaging backward per optimizer step.
+            assert mini["synced"] == ddp["steps"]
+        assert not _equal(ranks["ddp", 1]["weights"], ranks["ddp", 3]["weights"])  # accumulation changes the run
+    assert _equal(runs["lightning"][0]["minidp", 3]["weights"], runs["lightning"][1]["minidp", 3]["weights"])
+
+
+def test_lightning_checkpoints_resume_across_strategies(runs):
+    """An epoch-0 checkpoint of "ddp" resumes under "minidp" and back, to the uninterrupted run's weights."""
+    for ranks in runs["lightning"]:
+        reference = ranks["ddp", 3]
+        for direction, wrapper in (("ddp->minidp", "minidp"), ("minidp->ddp", "torch")):
+            resumed = ranks[direction, 3]
+            assert resumed["wrapper"] == f"{wrapper}.DistributedDataParallel"
+            assert resumed["steps"] == reference["steps"]
+            assert _equal(resumed["weights"], reference["weights"]), direction
+            assert resumed["ckpt_keys"] == sorted(reference["weights"])  # the LightningModule's keys, no "module."
+        assert ranks["ddp->minidp", 3]["synced"] == reference["steps"] // 2  # the resumed epoch's steps only
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_accelerate_minidp_equals_torch_ddp_bitwise(runs, launcher):
+    """minidp.accelerate.Accelerator ends with accelerate.Accelerator's weights; unwrap_model() is the model."""
+    for ranks in runs[launcher]:
+        for accumulate in (1, 3):
+            torch_ddp, mini = ranks["torch", accumulate], ranks["minidp", accumulate]
+            assert torch_ddp["distributed_type"] == mini["distributed_type"] == "DistributedType.MULTI_CPU"
+            assert torch_ddp["world_size"] == mini["world_size"] == 2
+            assert torch_ddp["wrapper"] == "torch.DistributedDataParallel"
+            assert mini["wrapper"] == "minidp.DistributedDataParallel"
+            assert mini["unwrapped_is_model"] and torch_ddp["unwrapped_is_model"]
+            assert mini["state_dict_keys"] == torch_ddp["state_dict_keys"] == sorted(torch_ddp["weights"])
+            assert _equal(mini["weights"], torch_ddp["weights"]), f"gradient_accumulation_steps={accumulate}"
+            assert torch.equal(mini["losses"], torch_ddp["losses"]) and mini["losses"].shape == (2,)  # gather()
+            # accumulate() went through minidp's no_sync(): it averaged exactly on the steps Accelerate synced.
+            assert mini["synced"] == torch_ddp["synced_steps"] == mini["synced_steps"]
+        assert not _equal(ranks["torch", 1]["weights"], ranks["torch", 3]["weights"])
+    assert _equal(runs[launcher][0]["minidp", 3]["weights"], runs[launcher][1]["minidp", 3]["weights"])
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_accelerate_state_resumes_across_accelerators(runs, launcher):
+    """save_state() under one Accelerator, load_state() under the other: the uninterrupted run's weights."""
+    for ranks in runs[launcher]:
+        reference = ranks["torch", 3]
+        for direction, wrapper in (("torch->minidp", "minidp"), ("minidp->torch", "torch")):
+            resumed = ranks[direction, 3]
+            assert resumed["wrapper"] == f"{wrapper}.DistributedDataParallel"
+            assert _equal(resumed["weights"], reference["weights"]), direction
+            assert torch.equal(resumed["losses"], reference["losses"])
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_accelerate_no_sync_and_trigger_sync(runs, launcher):
+    """no_sync() keeps each rank's gradient; trigger_sync_in_backward() averages it: as with torch DDP."""
+    ranks = runs[launcher]
+    for rank in ranks:
+        for name in ("local", "averaged"):
+            assert torch.equal(rank["sync_switches", "minidp"][name], rank["sync_switches", "torch"][name]), name
+    mini = [rank["sync_switches", "minidp"] for rank in ranks]
+    assert not torch.equal(mini[0]["local"], mini[1]["local"])
+    assert torch.equal(mini[0]["averaged"], mini[1]["averaged"])
+
+
+def test_both_accelerate_launchers_agree(runs):
+    """`accelerate launch` and torchrun run the same script to the same weights."""
+    for key in (("minidp", 1), ("minidp", 3), ("torch->minidp", 3)):
+        assert _equal(runs["accelerate"][0][key]["weights"], runs["torchrun"][0][key]["weights"]), key
+
+
+@pytest.mark.parametrize("module, extra, framework", [("minidp.lightning", "lightning", "lightning"),
+                                                      ("minidp.accelerate", "accelerate", "accelerate")])
+def test_missing_framework_names_the_extra(monkeypatch, module, extra, framework):
+    """Without the framework, importing the integration says which extra to install."""
+    for name in [name for name in sys.modules if name == framework or name.startswith(framework + ".")] or [framework]:
+        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: importing it fails
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(ImportError, match=rf"pip install 'minidp\[{extra}\]'"):
+        importlib.import_module(module)
