@@ -3,6 +3,7 @@
 README.md is parsed on every run: its ```bash commands, ```python snippets and ```diff blocks are
 collected and each one runs for real, changed only as listed here; a README edit that breaks one
 fails its test, and one that adds, drops or reshapes them fails test_readme_holds_what_this_test_runs.
+The ```python snippet of examples/README.md (the DALI loader, moved there from README.md) runs too.
 
 What changes before a README line runs, and nothing else:
   * `python examples/train_*.py` commands get `--tiny` (the training examples' test preset: 3 steps,
@@ -56,8 +57,10 @@ from processes import Command, Pool, clean_env  # noqa: E402
 import common  # noqa: E402 - examples/common.py: the synthetic image folders
 
 README = os.path.join(ROOT, "README.md")
+EXAMPLES_README = os.path.join(ROOT, "examples", "README.md")  # holds the DALI loader snippet
 TIMEOUT_S = 240
-EXPECTED = {"bash": 11, "python": 5, "diff": 2}  # what README.md holds; a change must update this file
+EXPECTED = {"bash": 11, "python": 4, "diff": 2}  # what README.md holds; a change must update this file
+EXPECTED_EXAMPLES = {"python": 1}  # what examples/README.md holds
 SKIPPED_MAKE = {  # target: (why it is not run, what `make -n` must show)
     "test": ("`make test` runs the whole suite, this file included: it would recurse", "-m pytest"),
     "demo": ("`make demo` trains twice, for minutes (its own sizes override --tiny); the example it "
@@ -394,10 +397,10 @@ def replace_dots(snippet: str, replacements: List[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def python_items(blocks: List[Block]) -> List[Item]:
+def python_items(blocks: List[Block], where: str = "") -> List[Item]:
     items = []
     for block in (b for b in blocks if b.lang == "python"):
-        text, key = block.text, f"line {block.line}: python snippet"
+        text, key = block.text, f"{where}line {block.line}: python snippet"
         if "minidp.launch(" in text:
             def start(ws, text=text):  # a file: the spawned workers import it again
                 path = ws.write("spawn_snippet.py", text)
@@ -464,7 +467,8 @@ def diff_items(blocks: List[Block]) -> List[Item]:
 
 
 # ----------------------------------------------------------------------------- the tests
-ITEMS = bash_items(read_blocks()) + python_items(read_blocks()) + diff_items(read_blocks())
+ITEMS = (bash_items(read_blocks()) + python_items(read_blocks()) + diff_items(read_blocks())
+         + python_items(read_blocks(EXAMPLES_README), where="examples/README.md "))
 
 
 @pytest.fixture(scope="module")
@@ -481,10 +485,13 @@ def test_readme_holds_what_this_test_runs():
     found = {"bash": sum(len(shell_commands(b)) for b in blocks if b.lang == "bash"),
              "python": sum(b.lang == "python" for b in blocks), "diff": sum(b.lang == "diff" for b in blocks)}
     assert found == EXPECTED, f"README.md now has {found}: update EXPECTED, and teach this file the new ones"
+    examples = {lang: sum(b.lang == lang for b in read_blocks(EXAMPLES_README)) for lang in ("bash", "python", "diff")}
+    assert examples == {"bash": 0, "diff": 0, **EXPECTED_EXAMPLES}, f"examples/README.md now has {examples}"
     text = open(README).read()
-    for placeholder in ("~/imagenette", "10.0.0.1", "--master-port 29500", '"imagenet/train"', "--node-rank 0",
+    for placeholder in ("~/imagenette", "10.0.0.1", "--master-port 29500", "--node-rank 0",
                         "--input-shape 3,32,32 --batch 32 --out explain", "--plot scaling.png"):
         assert placeholder in text, f"README.md no longer has {placeholder!r}: drop what this file does with it"
+    assert '"imagenet/train"' in open(EXAMPLES_README).read(), "examples/README.md's DALI snippet changed"
 
 
 @pytest.mark.parametrize("item", ITEMS, ids=[re.sub(r"\s+", " ", i.key)[:100] for i in ITEMS])
