@@ -3,6 +3,7 @@
     python -m minidp.explain resnet18 --world-size 1 --input-shape 3,32,32 --batch 32   # record a step
     python -m minidp.simulate --events explain_resnet18_events.json --plot scaling.png
     python -m minidp.simulate --events ... --bucket-cap-mb 5 --compression 0.5 --algorithm tree --caps 1,5,25,100
+    python -m minidp.simulate --study benchmarks/results/compression_study.json   # time to target (time_to_target.py)
 
 The recorded step gives the compute: forward, the time each gradient became ready after backward
 began, its size, the write-back after the last all-reduce, the optimizer. The simulator cuts the
@@ -27,6 +28,7 @@ Assumptions, and where they stop holding:
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 
 from ..engine.planning import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB, bucket_limits, plan_rebuilt
@@ -233,15 +235,21 @@ def parse_args(argv=None):
                    help="time gloo all-reduces on 2 local processes, fit the link, write it here")
     p.add_argument("--plot", help="PNG of step time, hidden share and efficiency against ranks")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    study = p.add_argument_group("time to target (time_to_target.py): --study FILE from benchmarks/compression.py")
+    study.add_argument("--study", help="a compression study JSON: time to target per method at 8 ... 1,024 ranks")
+    study.add_argument("--bandwidths", default="10,25,100,400", help="link Gb/s for --study (default 10,25,100,400)")
+    study.add_argument("--compute-scale", type=float, default=1.0, help="--study: compute x this (default 1)")
+    study.add_argument("--validate", action="store_true", help="--study: predicted vs measured time to target")
     args = p.parse_args(argv)
+    args.world_sizes_given = any(a.startswith("--world-sizes") for a in (argv if argv is not None else sys.argv))
     try:
         args.world_sizes = [check_int("--world-sizes", int(n), 1) for n in args.world_sizes.split(",")]
         args.caps = None if args.caps is None else [check_number("--caps", float(c), positive=True)
                                                     for c in args.caps.split(",")]
     except ValueError as e:
         p.error(str(e))
-    if not (args.events or args.measure_network):
-        p.error("give --events FILE (from python -m minidp.explain), or --measure-network OUT_JSON")
+    if not (args.events or args.measure_network or args.study):
+        p.error("give --events FILE (from python -m minidp.explain), --study FILE, or --measure-network OUT_JSON")
     return p, args
 
 
@@ -253,6 +261,10 @@ def main(argv=None) -> int:
         measure_network(args.measure_network)
         if not args.events:
             return 0
+    if args.study:
+        from .time_to_target import main_study
+
+        return main_study(args, p)
     try:
         profile = Profile.load(args.events, args.rank)
         net = network_from_args(args)

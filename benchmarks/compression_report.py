@@ -1,0 +1,200 @@
+"""The compression study's report: the study JSON the simulator reads, the tables, the sanity checks.
+
+    python benchmarks/compression.py --phases report    # reads OUT/compression_runs.jsonl (used by compression.py)
+
+study(): per method, at its chosen lr, over the seeds at world size 2: steps to the target, final
+validation loss, time to the target and median step (measured), bytes per step, the collectives of
+one step, and cost_s: the method's median step at world size 1 minus a step with no communication
+(what compress, decompress and memory cost here). compute_s: the no-communication step at world
+sizes 1, 2 and 4; network: the gloo links fitted at 2 and 4 ranks; measured: time to target and median
+step of the validation runs at world sizes 2 and 4.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+
+import compression_task as task
+import torch
+
+from minidp.study import time_to_target as ttt
+
+NETWORK_SIZES = tuple(4 ** k * 1024 for k in range(7))  # 1 KiB ... 4 MiB: the study's buffers are up to 1.2 MB
+
+
+def measure_links(path: str, quick: bool = False) -> dict:
+    """Gloo all-reduce sweeps at world sizes 2 and 4 on this machine, each fitted to a ring link; written to `path`."""
+    from minidp.study.network import fit_ring, measure_allreduce
+
+    out = {"sweeps": {}}
+    for world in (2, 4):
+        sweep = measure_allreduce(world, NETWORK_SIZES[::3] if quick else NETWORK_SIZES, repeats=3 if quick else 15)
+        link = fit_ring(sweep, world)
+        out[str(world)] = {"latency_s": link.latency_s, "bandwidth": link.bandwidth}
+        out["sweeps"][str(world)] = {str(k): v for k, v in sweep.items()}
+        print(f"gloo all-reduce at {world} ranks: {link.latency_s * 1e6:.0f} us, {link.bandwidth / 1e9:.2f} GB/s")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    return out
+
+
+def _latest(rows: list) -> dict:
+    """Rows by (phase, method, lr, seed, world size), the last one written winning."""
+    return {(r["phase"], r["method"], r["lr"], r["seed"], r["world_size"]): r for r in rows}
+
+
+def _after_first(row: dict):
+    """Measured time to the target without the first step (its one-time set-up; the simulator leaves it out too)."""
+    return None if row["time_to_target_s"] is None else row["time_to_target_s"] - row["first_step_s"]
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def study(args, rows: list, lrs: dict) -> dict:
+    """The study file (see the module docstring) from RUNS' rows and the chosen lrs."""
+    latest, per_rank = _latest(rows), args.global_batch // 2
+    cost = {}
+    for r in rows:  # every repeat counts (the cost phase runs each method twice)
+        if r["phase"] == "cost" and r.get("per_rank_batch") == per_rank:
+            cost.setdefault(r["method"], []).append(r["median_step_s"])
+    compute = {"1": _median(cost.get("noop", []))}
+    for w in ("2", "4"):
+        found = [r["median_step_s"] for r in rows
+                 if r["phase"] == "validate" and r["method"] == "noop" and r["world_size"] == int(w)]
+        if found:
+            compute[w] = _median(found)
+    methods = {}
+    for m in args.methods:
+        if m not in lrs:
+            continue
+        runs = [latest[k] for k in sorted(latest) if k[0] in ("sweep", "seeds") and k[1] == m and k[2] == lrs[m]
+                and k[4] == 2 and k[3] < args.seeds]
+        first = runs[0]
+        methods[m] = {
+            "lr": lrs[m], "seeds": [r["seed"] for r in runs], "steps_to_target": [r["steps_to_target"] for r in runs],
+            "final_val_loss": [r["final_val_loss"] for r in runs],
+            "bytes_measured": first["bytes_measured"], "bytes_analytical": first["bytes_analytical"],
+            "param_bytes": first["param_bytes"], "collectives": first["collectives"],
+            "cost_s": (_median(cost[m]) - compute["1"]) if m in cost and compute["1"] else 0.0,
+            "measured": {},
+            "sweep": {str(r["lr"]): [r["steps_to_target"], r["final_val_loss"]] for k, r in latest.items()
+                      if k[0] == "sweep" and k[1] == m},
+        }
+        for w in (2, 4):  # the validation runs (seed 0, until the target), beside the compute measured with them
+            found = [r for k, r in latest.items() if k[0] == "validate" and k[1] == m and k[4] == w]
+            if found:
+                methods[m]["measured"][str(w)] = {"time_to_target_s": [_after_first(r) for r in found],
+                                                  "step_s": _median(r["median_step_s"] for r in found)}
+    net_path = os.path.join(args.out, "compression_network.json")
+    network = {}
+    if os.path.exists(net_path):
+        with open(net_path) as f:
+            network = {k: v for k, v in json.load(f).items() if k != "sweeps"}
+    return {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version(),
+            "machine": f"{os.cpu_count()} cores, {platform.machine()}, CPU only, gloo",
+            "task": f"CharMLP ({task.__name__}.py) on {task.Text.__doc__.split(':')[0].lower()}",
+            "metric": "validation loss, nats per character", "target": args.target, "world_size": 2,
+            "global_batch": args.global_batch, "steps": args.steps, "eval_every": args.eval_every,
+            "start_iter": args.start_iter, "lrs_swept": args.lrs, "compute_s": compute, "network": network,
+            "methods": methods}
+
+
+def _spread(values, fmt="{:.0f}") -> str:
+    vals = [math.inf if v is None or v != v else v for v in values]
+    med, low, high = statistics.median(vals), min(vals), max(vals)
+    show = lambda v: "never" if math.isinf(v) else fmt.format(v)  # noqa: E731
+    return f"{show(med)} ({show(low)}-{show(high)})"
+
+
+def _collectives(m: dict) -> str:
+    counts = {}
+    for c in m["collectives"]:
+        counts[c["op"]] = counts.get(c["op"], 0) + c["per_step"]
+    return ", ".join(f"{n:g} {op.replace('_', '-')}" for op, n in counts.items())
+
+
+def tables(s: dict) -> str:
+    """Markdown: the main table, the lr sweep, the sanity checks."""
+    exact = s["methods"]["exact"]
+    lines = [f"Target: {s['metric']} <= {s['target']}; {len(exact['seeds'])} seeds; median (min-max).", "",
+             "| method | lr | steps to target | final val loss | bytes/step measured | formula | vs exact | "
+             "collectives/step | cost ms/step |", "|" + " --- |" * 9]
+    for name, m in s["methods"].items():
+        lines.append(f"| {name} | {m['lr']:g} | {_spread(m['steps_to_target'])} | "
+                     f"{_spread(m['final_val_loss'], '{:.3f}')} | {m['bytes_measured']:,.0f} | "
+                     f"{m['bytes_analytical']:,.0f} | {m['bytes_measured'] / m['param_bytes']:.4f} | "
+                     f"{_collectives(m)} | {1e3 * m['cost_s']:.2f} |")
+    lrs = [str(lr) for lr in s["lrs_swept"]]
+    lines += ["", "LR sweep (seed 0): steps to target (final val loss); **bold**: chosen", "",
+              "| method | " + " | ".join(lrs) + " |", "|" + " --- |" * (len(lrs) + 1)]
+    for name, m in s["methods"].items():
+        cells = []
+        for lr in lrs:
+            steps, final = m["sweep"].get(lr, (None, None))
+            text = "-" if final is None else f"{steps or 'never'} ({final:.3f})"
+            cells.append(f"**{text}**" if float(lr) == m["lr"] else text)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "| sanity check (literature) | verdict | measured |", "| --- | --- | --- |"]
+    lines += [f"| {check} | {verdict} | {detail} |" for check, verdict, detail in sanity(s)]
+    return "\n".join(lines)
+
+
+def _med(values) -> float:
+    return statistics.median(math.inf if v is None or v != v else v for v in values)
+
+
+def sanity(s: dict) -> list:
+    """(check, verdict, measured) for the literature's three claims.
+
+    "At least as good": median steps to target no more, median final loss no higher than the plain
+    method's plus the larger half-range of the two seeds' spreads (noise). "Close to exact": median
+    steps within 1.25x exact's and median final loss within 0.05 nats of exact's.
+    """
+    ms, out = s["methods"], []
+
+    def brief(name):
+        return f"{name}: {_spread(ms[name]['steps_to_target'])} steps, {_spread(ms[name]['final_val_loss'], '{:.3f}')}"
+    if "Sign" in ms and "Sign+EF" in ms:
+        a, b = ms["Sign+EF"], ms["Sign"]
+        noise = max((max(x["final_val_loss"]) - min(x["final_val_loss"])) / 2 for x in (a, b))
+        ok = _med(a["steps_to_target"]) <= _med(b["steps_to_target"]) and \
+            _med(a["final_val_loss"]) <= _med(b["final_val_loss"]) + noise
+        out.append(("EF-Sign at least as good as Sign", "reproduced" if ok else "NOT reproduced",
+                    f"{brief('Sign+EF')}; {brief('Sign')}"))
+    for name in ("TopK 1%+EF", "PowerSGD 4+EF"):
+        if name in ms:
+            m, e = ms[name], ms["exact"]
+            if math.isinf(_med(e["steps_to_target"])):
+                out.append((f"{name} close to exact", "no verdict", "exact never reached the target"))
+                continue
+            ok = _med(m["steps_to_target"]) <= 1.25 * _med(e["steps_to_target"]) and \
+                _med(m["final_val_loss"]) <= _med(e["final_val_loss"]) + 0.05
+            out.append((f"{name} close to exact", "reproduced" if ok else "NOT reproduced",
+                        f"{brief(name)}; {brief('exact')}"))
+    return out
+
+
+def report(args, rows: list, lrs: dict) -> dict:
+    """Write OUT/compression_study.json, print the tables (and into --results-md between markers)."""
+    s = study(args, rows, lrs)
+    path = os.path.join(args.out, "compression_study.json")
+    with open(path, "w") as f:
+        json.dump(s, f, indent=1)
+    text = tables(s)
+    if s["network"] and all(w in s["compute_s"] for w in s["network"]):
+        text += "\n\nPredicted (python -m minidp.simulate --study ... --validate) against measured time to target:\n\n"
+        text += "```\n" + ttt.format_validation(ttt.validate(s)) + "\n```"
+    print(text)
+    print(f"wrote {path}")
+    if args.results_md:
+        from gpu_check import write_section
+
+        write_section(args.results_md, "compression cpu", text)
+    return s

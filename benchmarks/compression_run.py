@@ -1,0 +1,127 @@
+"""One training run of the compression study, on every rank of a launched world (used by compression.py).
+
+    rows = run_jobs(jobs, cfg)   # inside minidp.launch's worker: [(method, lr, seed), ...] one after another
+
+A run: CharMLP from seed's initial weights, SGD momentum 0.9 at a constant lr after a linear warm-up of
+START_ITER steps (the methods start after it), the global batch drawn by (seed, step) and split over
+ranks, the validation loss every cfg["eval_every"] steps (of the ranks' mean parameters: the same as
+rank 0's except under local SGD and DiLoCo), stopped after cfg["steps"] steps. Step times exclude the
+evaluations. Per run: steps to cfg["target"] (None if never), the final validation loss, bytes per
+compressed step (the counter, and the compressor's formula), and the collectives of one compressed step.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import compression_task as task
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import minidp
+
+
+def _noop_hook(state, bucket):  # no annotations: DDP's hook contract; the local gradient, no communication
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+@torch.no_grad()
+def _mean_val_loss(module, text, averaged: bool) -> float:
+    """The validation loss of the ranks' mean parameters, each rank scoring its share of the windows."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    saved = [p.detach().clone() for p in module.parameters()] if averaged else None
+    if averaged:
+        for p in module.parameters():
+            p.div_(world)
+            dist.all_reduce(p)  # ranks meet here: the mean parameters (measurement only, not the method's bytes)
+    x, y = text.val
+    mine = slice(rank * len(y) // world, (rank + 1) * len(y) // world)
+    total = F.cross_entropy(module(x[mine]), y[mine], reduction="sum").reshape(1)
+    dist.all_reduce(total)  # ranks meet here: the sum over every window
+    if averaged:
+        for p, s in zip(module.parameters(), saved):
+            p.copy_(s)
+    return total.item() / len(y)
+
+
+def run_one(method: str, lr: float, seed: int, text: task.Text, cfg: dict) -> dict:
+    """Train `method` at `lr` from `seed`; the same result on every rank. method "noop": compute only."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    module = task.CharMLP(text.vocab, text.context)
+    param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    recorder = task.RecordingDist() if method == "exact" else None  # the engine's all-reduces, noted
+    model = minidp.DDP(module, transport=recorder) if recorder else minidp.DDP(module)
+    if method == "noop":
+        model.register_comm_hook(None, _noop_hook)
+        stepper, counter = None, None
+    else:
+        stepper, counter = task.attach(model, method, cfg["start_iter"])
+    transport = recorder or getattr(counter, "transport", None)
+    opt = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
+    averaged = task.METHODS.get(method) in ("local", "diloco")
+    times, curve, reached, snapshot, calls = [], [], None, None, []
+    probe = cfg["start_iter"] + 2  # a compressed step whose collectives are noted
+    for step in range(cfg["steps"]):
+        if step == cfg["start_iter"]:
+            snapshot = _counters(counter)
+        if transport is not None and step == probe:
+            transport.calls.clear()
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / cfg["start_iter"])
+        x, y = text.batch(step, seed, cfg["global_batch"], rank, world)
+        start = time.perf_counter()
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if stepper is not None:
+            stepper.step()
+        times.append(time.perf_counter() - start)
+        if transport is not None and step == probe:
+            calls = list(transport.calls)
+        if (step + 1) % cfg["eval_every"] == 0 or step + 1 == cfg["steps"]:
+            if not torch.isfinite(loss):
+                curve.append((step + 1, float("nan")))
+                break  # diverged: no target, and every later step would be nan too
+            curve.append((step + 1, _mean_val_loss(module, text, averaged)))
+            if reached is None and curve[-1][1] <= cfg["target"]:
+                reached = step + 1
+                if cfg.get("stop_at_target"):
+                    break
+    if counter is not None and hasattr(counter, "close"):
+        counter.close()
+    compressed = max(1, len(times) - cfg["start_iter"])
+    measured, analytical = _counters(counter)
+    base = snapshot or (0, 0)
+    return {"method": method, "lr": lr, "seed": seed, "world_size": world, "steps_run": len(times),
+            "per_rank_batch": cfg["global_batch"] // world,
+            "steps_to_target": reached, "final_val_loss": curve[-1][1] if curve else None, "curve": curve,
+            "time_to_target_s": sum(times[:reached]) if reached else None, "total_s": sum(times),
+            "first_step_s": times[0] if times else None,  # one-time set-up (buckets, groups): left out of predictions
+            "median_step_s": statistics.median(times[cfg["start_iter"] + 2:] or times),
+            "param_bytes": param_bytes,
+            "bytes_measured": param_bytes if counter is None else (measured - base[0]) / compressed,
+            "bytes_analytical": param_bytes if counter is None else (analytical - base[1]) / compressed,
+            "collectives": [] if method == "noop" else task.collectives(method, calls, param_bytes, world)}
+
+
+def _counters(counter) -> tuple:
+    if counter is None:
+        return 0, 0
+    sent = counter.stats()["bytes_sent"]
+    return sent, getattr(counter, "bytes_analytical", sent)
+
+
+def run_jobs(jobs: list, cfg: dict, log=None) -> list:
+    """Each (method, lr, seed) of `jobs` in turn; `log(row)` after each (rank 0 only)."""
+    text = task.Text.load(val_windows=cfg["val_windows"])
+    rows = []
+    for method, lr, seed, *override in jobs:  # a job may carry its own settings: (method, lr, seed, {...})
+        rows.append(run_one(method, lr, seed, text, {**cfg, **(override[0] if override else {})}))
+        if log is not None and dist.get_rank() == 0:
+            log(rows[-1])
+    return rows

@@ -1,0 +1,154 @@
+"""The compression study's task and methods: a character-level MLP on the license texts in torch's wheel.
+
+    import compression_task as task
+    text = task.Text.load()                  # no download: examples/train_lm.py's finder, by import
+    model = task.CharMLP(text.vocab)         # 16 characters of context -> the next one
+    x, y = text.batch(step=0, seed=0, global_batch=128, rank=0, world_size=2)
+
+Data: examples/train_lm.py's default_text() (the license files shipped in torch's wheel, about 300 KB,
+else Python's LICENSE.txt), split 90/10 as its CharData does. A step's global batch is drawn from
+(seed, step) alone and each rank takes its slice, so a run sees the same samples at any world size
+(the validation at world size 4 keeps the global batch). The validation set is fixed (seed 0).
+METHODS maps a study name to how it communicates (see attach()).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+
+import train_lm  # noqa: E402 - examples/ is not a package: its text finder and CharData, not copied
+
+from minidp import comm  # noqa: E402
+
+START_ITER = 10  # exact steps before any method starts (local SGD and DiLoCo: their warm-up)
+LOCAL_PERIOD, DILOCO_PERIOD = 4, 8
+
+
+def _diloco(model, period=DILOCO_PERIOD):
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)  # the paper's outer step
+    return comm.DiLoCo(model, outer, period=period, warmup_steps=START_ITER)
+
+
+# name: (compressor factory, error feedback) for hooks; "local" / "diloco": parameter averaging; None: exact
+METHODS = {
+    "exact": None,
+    "FP16": (comm.FP16, False), "BF16": (comm.BF16, False),
+    "TopK 1%": (lambda: comm.TopK(0.01), False), "TopK 1%+EF": (lambda: comm.TopK(0.01), True),
+    "RandomK 1%": (lambda: comm.RandomK(0.01), False), "RandomK 1%+EF": (lambda: comm.RandomK(0.01), True),
+    "QSGD 16": (lambda: comm.QSGD(16), False), "QSGD 16+EF": (lambda: comm.QSGD(16), True),
+    "Sign": (comm.Sign, False), "Sign+EF": (comm.Sign, True),
+    "PowerSGD 1": (lambda: comm.PowerSGD(1), False), "PowerSGD 1+EF": (lambda: comm.PowerSGD(1), True),
+    "PowerSGD 4+EF": (lambda: comm.PowerSGD(4), True),
+    f"local SGD /{LOCAL_PERIOD}": "local",
+    f"DiLoCo /{DILOCO_PERIOD}": "diloco",
+}
+
+
+class Text:
+    """The character data: train tokens, a fixed validation set, batches by (seed, step)."""
+
+    def __init__(self, text: str, source: str, context: int = 16, val_windows: int = 4096):
+        self.source, self.context = source, context
+        self.data = train_lm.CharData(text, seed=0)
+        self.vocab = len(self.data.chars)
+        x, y = self.data.batch("val", val_windows, context, -1)  # fixed: seed 0, "step" -1
+        self.val = (x, y[:, -1])
+
+    @classmethod
+    def load(cls, **kwargs) -> "Text":
+        text, source = train_lm.default_text()
+        return cls(text, source, **kwargs)
+
+    def batch(self, step: int, seed: int, global_batch: int, rank: int, world_size: int):
+        """This rank's slice of the step's global batch: (context characters, the next character)."""
+        if global_batch % world_size:
+            raise ValueError(f"global_batch={global_batch} must be a multiple of world_size={world_size}")
+        x, y = self.data.batch("train", global_batch, self.context, seed, step)
+        per = global_batch // world_size
+        return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per, -1]
+
+
+class CharMLP(nn.Module):
+    """Bengio et al. 2003's model: embed each of `context` characters, a GELU hidden layer, logits."""
+
+    def __init__(self, vocab: int, context: int = 16, embed: int = 32, hidden: int = 512):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embed)
+        self.hidden = nn.Linear(context * embed, hidden)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, x):
+        return self.out(torch.nn.functional.gelu(self.hidden(self.embed(x).flatten(1))))
+
+
+@torch.no_grad()
+def val_loss(module: nn.Module, text: Text) -> float:
+    """Cross-entropy (nats per character) of `module` on the fixed validation set."""
+    x, y = text.val
+    return torch.nn.functional.cross_entropy(module(x), y).item()
+
+
+class RecordingDist(comm.TorchDist):
+    """TorchDist that notes every collective it is handed: (op, bytes of this rank's input)."""
+
+    def __init__(self):
+        super().__init__()  # ranks meet here (a new group)
+        self.calls: list = []
+
+    def all_reduce(self, tensor):
+        self.calls.append(("all_reduce", tensor.numel() * tensor.element_size()))
+        return super().all_reduce(tensor)
+
+    def all_gather(self, output, input):
+        self.calls.append(("all_gather", input.numel() * input.element_size()))
+        return super().all_gather(output, input)
+
+    def all_to_all(self, output, input):
+        self.calls.append(("all_to_all", input.numel() * input.element_size()))
+        return super().all_to_all(output, input)
+
+
+def attach(model, name: str, start_iter: int = START_ITER):
+    """Register method `name`'s communication on the minidp.DDP `model`: (what steps after opt.step(), counter).
+
+    The counter has stats() (bytes sent); a RecordingDist (as counter.transport) lists a hook's collectives.
+    """
+    spec = METHODS[name]
+    if spec is None:
+        return None, None
+    if spec == "local":
+        averager = comm.PeriodicAverager(model, period=LOCAL_PERIOD, warmup_steps=start_iter)
+        return averager, averager
+    if spec == "diloco":
+        diloco = _diloco(model)
+        return diloco, diloco
+    make, ef = spec
+    state, hook = comm.compression_hook(make(), memory=comm.ErrorFeedback() if ef else None,
+                                        transport=RecordingDist(), start_iter=start_iter)
+    model.register_comm_hook(state, hook)
+    return None, state
+
+
+def collectives(name: str, calls: list, param_bytes: int, world_size: int) -> list:
+    """The collectives of one compressed step as the simulator reads them.
+
+    Each: op, bytes (this rank's input at `world_size`), per_step (how often per step), and scale:
+    "fixed" (the same input at any world size) or "chunk" (input = bytes * world_size / N: Sign's
+    server stage sends only its 1/N chunk of the signs).
+    """
+    spec = METHODS[name]
+    if spec in ("local", "diloco"):
+        period = LOCAL_PERIOD if spec == "local" else DILOCO_PERIOD
+        return [{"op": "all_reduce", "bytes": param_bytes, "per_step": 1 / period, "scale": "fixed"}]
+    a2a = [b for op, b in calls if op == "all_to_all"]
+    out = []
+    for op, nbytes in calls:
+        chunk = op == "all_gather" and any(nbytes * world_size == b for b in a2a)
+        out.append({"op": op, "bytes": nbytes, "per_step": 1, "scale": "chunk" if chunk else "fixed"})
+    return out

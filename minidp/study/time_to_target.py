@@ -1,0 +1,244 @@
+"""Time to a target loss at N ranks, per communication method, from a measured compression study.
+
+    python benchmarks/compression.py                  # measures benchmarks/results/compression_study.json
+    python -m minidp.simulate --study benchmarks/results/compression_study.json --plot pays_off.png
+    python -m minidp.simulate --study ... --validate  # against the times to target measured on this machine
+
+Per method the study file holds: the steps each seed took to reach the target, the warm-up of exact
+steps before the method starts, the collectives of one step (op, this rank's input bytes, how often
+per step, whether the input shrinks as 1/N), and cost_s, what compress, decompress and memory add to
+a step on the measuring machine; and, once, compute_s: a step with no communication. Then
+
+    step(N)  = compute + cost + sum over collectives of per_step * time(op, bytes, N)
+    time     = (warmup - 1) * step_exact(N) + (steps_to_target - warmup) * step(N)
+
+(the first step, with its one-time set-up of buckets and groups, is left out here and in the measured times)
+
+with the collective times of the alpha-beta model (latency a per message, b seconds per byte):
+all-reduce from network.allreduce_time (ring or tree); all-gather, ring: (N - 1) a + (N - 1) P b,
+since each rank receives every other rank's payload P; all-to-all, pairwise: (N - 1) a +
+(N - 1) / N S b for an input of S bytes. A ring across nodes runs at its slowest link.
+
+Assumptions: nothing overlaps (communication after backward; near enough when the gradients fill one
+or two buckets, as in the study, and pessimistic for exact on big models, whose all-reduces hide
+behind backward); the per-rank batch stays as measured (weak scaling) and so do the steps to the target,
+though a larger global batch changes them, for each method differently; every rank computes alike.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+from ..validate import check_int, check_number
+from .network import Link, Network, allreduce_time
+
+BANDWIDTHS_GBIT = (10, 25, 100, 400)
+STUDY_WORLD_SIZES = tuple(2 ** k for k in range(3, 11))  # 8 ... 1,024
+OPS = ("all_reduce", "all_gather", "all_to_all")
+
+
+def flat_network(gbit: float, latency_us: float = 15.0, algorithm: str = "ring") -> Network:
+    """Every rank on its own node, one kind of link: `gbit` Gb/s and `latency_us` per message."""
+    check_number("gbit", gbit, positive=True)
+    link = Link(latency_us * 1e-6, gbit * 1e9 / 8)
+    return Network(link, link, ranks_per_node=1, algorithm=algorithm)
+
+
+def collective_time(op: str, nbytes: float, world_size: int, net: Network) -> float:
+    """Seconds for one collective of this rank's `nbytes` input over `world_size` ranks (0 for one rank)."""
+    if op not in OPS:
+        raise ValueError(f"op={op!r}: choose from {OPS}")
+    n = check_int("world_size", world_size, 1)
+    if n == 1 or nbytes <= 0:
+        return 0.0
+    if op == "all_reduce":
+        return allreduce_time(nbytes, n, net)
+    link = net.intra if n <= net.ranks_per_node else Link(max(net.intra.latency_s, net.inter.latency_s),
+                                                          min(net.intra.bandwidth, net.inter.bandwidth))
+    if op == "all_gather":
+        return (n - 1) * (link.latency_s + nbytes / link.bandwidth)
+    return (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bandwidth
+
+
+def comm_time(method: dict, world_size: int, net: Network, study_world: int) -> float:
+    """One step's communication: each collective at its frequency, chunked inputs rescaled to world_size."""
+    total = 0.0
+    for c in method["collectives"]:
+        nbytes = c["bytes"] * study_world / world_size if c["scale"] == "chunk" else c["bytes"]
+        total += c["per_step"] * collective_time(c["op"], nbytes, world_size, net)
+    return total
+
+
+def step_time(study: dict, name: str, world_size: int, net: Network, compute_s: float | None = None,
+              compute_scale: float = 1.0) -> float:
+    """Predicted seconds of one step of method `name` (after its warm-up) at `world_size` ranks.
+
+    Args:
+        compute_s: the compute of a step. Default None: the study's at world size 1 (study["compute_s"]["1"]).
+        compute_scale: multiplies compute and the method's cost (e.g. 0.02 for a processor 50x faster). Default 1.
+    """
+    compute = study["compute_s"]["1"] if compute_s is None else compute_s
+    scale = compute_scale * compute / study["compute_s"]["1"]  # the method's cost slows down as the compute does
+    method = study["methods"][name]
+    return compute * compute_scale + max(0.0, method["cost_s"]) * scale + comm_time(
+        method, world_size, net, study["world_size"])
+
+
+def time_to_target(study: dict, name: str, world_size: int, net: Network, **step_kwargs) -> list:
+    """Predicted seconds to the target, one per seed (None where that seed never reached it)."""
+    warm = study["start_iter"]
+    exact = step_time(study, "exact", world_size, net, **step_kwargs)
+    step = step_time(study, name, world_size, net, **step_kwargs)
+    return [None if s is None else max(0, min(s, warm) - 1) * exact + max(0, s - warm) * step
+            for s in study["methods"][name]["steps_to_target"]]
+
+
+def summarize(times: list) -> tuple:
+    """(median, min, max) over seeds; a seed that never reached the target counts as infinite."""
+    values = sorted(math.inf if t is None else t for t in times)
+    return statistics.median(values), values[0], values[-1]
+
+
+def relative_table(study: dict, world_sizes=STUDY_WORLD_SIZES, bandwidths=BANDWIDTHS_GBIT,
+                   latency_us: float = 15.0, compute_scale: float = 1.0) -> dict:
+    """{(gbit, N): {method: (median, min, max) time to target over exact's median}}."""
+    out = {}
+    for gbit in bandwidths:
+        net = flat_network(gbit, latency_us)
+        for n in world_sizes:
+            exact = summarize(time_to_target(study, "exact", n, net, compute_scale=compute_scale))[0]
+            if math.isinf(exact):
+                raise ValueError("exact never reached the target in the study (in most seeds): nothing to compare with")
+            out[(gbit, n)] = {m: tuple(t / exact for t in summarize(time_to_target(study, m, n, net,
+                                                                                    compute_scale=compute_scale)))
+                              for m in study["methods"]}
+    return out
+
+
+def fastest(cells: dict) -> tuple:
+    """(method, speed-up over exact) of one table cell: the lowest median time to target."""
+    name = min(cells, key=lambda m: cells[m][0])
+    return name, 1.0 / cells[name][0]
+
+
+def _fmt(cell: tuple) -> str:
+    med, low, high = cell
+    if math.isinf(med):
+        return "never"
+    return f"{med:.2f} ({low:.2f}-{'inf' if math.isinf(high) else f'{high:.2f}'})"
+
+
+def format_table(study: dict, table: dict) -> str:
+    """Per bandwidth, methods x world sizes: time to target over exact's, median (seeds' min-max)."""
+    lines = []
+    sizes = sorted({n for _, n in table})
+    for gbit in sorted({g for g, _ in table}):
+        lines += ["", f"{gbit:g} Gb/s: time to target / exact's (median over seeds, min-max)",
+                  f"{'method':<16}" + "".join(f"{n:>19}" for n in sizes)]
+        for m in study["methods"]:
+            lines.append(f"{m:<16}" + "".join(f"{_fmt(table[(gbit, n)][m]):>19}" for n in sizes))
+        best = [fastest(table[(gbit, n)]) for n in sizes]
+        lines.append(f"{'fastest':<16}" + "".join(f"{f'{name} x{up:.2f}':>19}" for name, up in best))
+    return "\n".join(lines[1:])
+
+
+def validate(study: dict) -> list:
+    """Predicted against measured time to target where the study measured it (world sizes 2 and 4 here).
+
+    Each world size W uses the compute measured at W (all W ranks computing at once on the shared
+    cores, no communication), the method's cost scaled by the same slowdown, the gloo link fitted at W
+    (study["network"][W]), and nothing overlapping (shared cores). Returns rows of
+    (W, method, predicted_s, measured_s, error, predicted_step_s, measured_step_s, step_error).
+    """
+    rows = []
+    for w, links in sorted(study["network"].items(), key=lambda kv: int(kv[0])):
+        link = Link(**links)
+        net = Network(link, link, ranks_per_node=int(w), shared_cores=True)
+        for name, method in study["methods"].items():
+            measured = method.get("measured", {}).get(w)
+            if not measured or all(t is None for t in measured["time_to_target_s"]):
+                continue
+            pred = summarize(time_to_target(study, name, int(w), net, compute_s=study["compute_s"][w]))[0]
+            meas = summarize(measured["time_to_target_s"])[0]
+            step = step_time(study, name, int(w), net, compute_s=study["compute_s"][w])
+            rows.append((int(w), name, pred, meas, pred / meas - 1, step, measured["step_s"],
+                         step / measured["step_s"] - 1))
+    return rows
+
+
+def format_validation(rows: list) -> str:
+    lines = [f"{'world':>5} {'method':<16} {'predicted s':>11} {'measured s':>10} {'error':>7} "
+             f"{'step ms pred':>12} {'step ms meas':>12} {'error':>7}"]
+    for w, name, pred, meas, err, step, mstep, serr in rows:
+        lines.append(f"{w:>5} {name:<16} {pred:>11.2f} {meas:>10.2f} {100 * err:>6.0f}% {1e3 * step:>12.1f} "
+                     f"{1e3 * mstep:>12.1f} {100 * serr:>6.0f}%")
+    return "\n".join(lines)
+
+
+def load(path: str) -> dict:
+    """A study file, checked for what the predictions read."""
+    with open(path) as f:
+        study = json.load(f)
+    missing = [k for k in ("methods", "compute_s", "start_iter", "world_size") if k not in study]
+    if missing:
+        raise ValueError(f"--study {path}: no {missing} (write it with benchmarks/compression.py --phases report)")
+    if "exact" not in study["methods"]:
+        raise ValueError(f"--study {path}: no 'exact' method to compare with")
+    return study
+
+
+def plot_fastest(path: str, table: dict, title: str) -> None:
+    """World size x bandwidth, each cell coloured by its fastest method and labelled with its speed-up."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    sizes, gbits = sorted({n for _, n in table}), sorted({g for g, _ in table})
+    best = {key: fastest(cells) for key, cells in table.items()}
+    names = sorted({name for name, _ in best.values()}, key=lambda m: list(next(iter(table.values()))).index(m))
+    colours = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(1.0 * len(sizes) + 2.5, 0.7 * len(gbits) + 2.2))
+    for i, n in enumerate(sizes):
+        for j, g in enumerate(gbits):
+            name, up = best[(g, n)]
+            ax.add_patch(plt.Rectangle((i - 0.5, j - 0.5), 1, 1, color=colours(names.index(name) % 10), alpha=0.75))
+            ax.text(i, j, f"x{up:.2f}", ha="center", va="center", fontsize=8)
+    ax.set_xlim(-0.5, len(sizes) - 0.5)
+    ax.set_ylim(-0.5, len(gbits) - 0.5)
+    ax.set_xticks(range(len(sizes)), [str(n) for n in sizes])
+    ax.set_yticks(range(len(gbits)), [f"{g:g}" for g in gbits])
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("link bandwidth, Gb/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(handles=[Patch(color=colours(k % 10), alpha=0.75, label=m) for k, m in enumerate(names)],
+              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, title="fastest to target", title_fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main_study(args, parser) -> int:
+    """`python -m minidp.simulate --study FILE`: the time-to-target table, its plot, or the validation."""
+    try:
+        study = load(args.study)
+        if args.validate:
+            print(format_validation(validate(study)))
+            return 0
+        check_number("--compute-scale", args.compute_scale, positive=True)
+        gbits = [check_number("--bandwidths", float(g), positive=True) for g in args.bandwidths.split(",")]
+        sizes = args.world_sizes if args.world_sizes_given else STUDY_WORLD_SIZES
+        latency = 15.0 if args.inter_latency_us is None else args.inter_latency_us
+        table = relative_table(study, sizes, gbits, latency, args.compute_scale)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(f"{type(e).__name__}: {e}")
+    print(f"{args.study}: target {study.get('target')} ({study.get('metric', 'validation loss')}); compute "
+          f"{1e3 * study['compute_s']['1'] * args.compute_scale:.2f} ms a step; every rank on its own node, "
+          f"{latency:g} us per message; no overlap\n" + format_table(study, table))
+    if args.plot:
+        name = args.study.split("/")[-1]
+        plot_fastest(args.plot, table, f"fastest to the target, speed-up over exact ({name}, "
+                     f"compute x{args.compute_scale:g})")
+    return 0

@@ -1,0 +1,108 @@
+"""python -m minidp.simulate --study: time to target at scale from a study file, checked against the formula by hand."""
+import json
+import math
+
+import pytest
+
+from minidp.study import simulate
+from minidp.study import time_to_target as ttt
+
+GBIT, LATENCY = 10, 15e-6
+BW = GBIT * 1e9 / 8  # bytes per second
+
+
+def _study():
+    """Four methods: exact (two all-reduces), TopK-like (an all-gather), Sign-like (all-to-all and a chunked
+    all-gather), local SGD-like (an all-reduce every 4 steps)."""
+    return {
+        "target": 1.2, "metric": "validation loss", "world_size": 2, "start_iter": 10,
+        "compute_s": {"1": 0.010, "2": 0.012, "4": 0.025},
+        "network": {"2": {"latency_s": 4e-4, "bandwidth": 1e9}, "4": {"latency_s": 1e-3, "bandwidth": 5e8}},
+        "methods": {
+            "exact": {"steps_to_target": [200, 210, 230], "cost_s": -0.0001,
+                      "collectives": [{"op": "all_reduce", "bytes": 1_200_000, "per_step": 1, "scale": "fixed"},
+                                      {"op": "all_reduce", "bytes": 12_000, "per_step": 1, "scale": "fixed"}],
+                      "measured": {"2": {"time_to_target_s": [5.0, 5.2, 5.9], "step_s": 0.025}}},
+            "topk": {"steps_to_target": [212, None, 208], "cost_s": 0.0,
+                     "collectives": [{"op": "all_gather", "bytes": 240_000, "per_step": 1, "scale": "fixed"}],
+                     "measured": {"2": {"time_to_target_s": [4.0, None, 4.4], "step_s": 0.016},
+                                  "4": {"time_to_target_s": [9.0], "step_s": 0.04}}},
+            "sign": {"steps_to_target": [None, None, 300], "cost_s": 0.01,
+                     "collectives": [{"op": "all_to_all", "bytes": 40_000, "per_step": 1, "scale": "fixed"},
+                                     {"op": "all_gather", "bytes": 20_000, "per_step": 1, "scale": "chunk"}]},
+            "local": {"steps_to_target": [220, 220, 260], "cost_s": 0.0,
+                      "collectives": [{"op": "all_reduce", "bytes": 1_212_000, "per_step": 0.25, "scale": "fixed"}]},
+        },
+    }
+
+
+def _by_hand(n):
+    """Time to target (median over seeds) of exact and topk at n ranks, 10 Gb/s, 15 us, written out."""
+    exact_step = 0.010 + sum(2 * (n - 1) * LATENCY + 2 * (n - 1) / n * b / BW for b in (1_200_000, 12_000))
+    topk_step = 0.010 + (n - 1) * (LATENCY + 240_000 / BW)  # every rank receives the n-1 others' payloads
+    exact = [9 * exact_step + (s - 10) * exact_step for s in (200, 210, 230)]
+    topk = [9 * exact_step + (s - 10) * topk_step for s in (212, 208)]  # the seed that never reached: infinite
+    return exact[1], topk, exact_step, topk_step
+
+
+def test_one_cell_of_the_table_is_the_formula_written_out():
+    table = ttt.relative_table(_study(), world_sizes=(8, 1024), bandwidths=(GBIT,), latency_us=15)
+    for n in (8, 1024):
+        exact, topk, _, _ = _by_hand(n)
+        med, low, high = table[(GBIT, n)]["topk"]
+        assert med == pytest.approx(max(topk) / exact, rel=1e-12)  # the median of (208, 212, never) is 212's
+        assert low == pytest.approx(min(topk) / exact, rel=1e-12) and math.isinf(high)
+        assert table[(GBIT, n)]["exact"][0] == 1.0
+        assert math.isinf(table[(GBIT, n)]["sign"][0])  # two of three seeds never reached it
+    # all-gather grows with n, the ring all-reduce hardly: TopK wins at 8 ranks and loses at 1,024
+    assert table[(GBIT, 8)]["topk"][0] < 1 < table[(GBIT, 1024)]["topk"][0]
+    assert ttt.fastest(table[(GBIT, 1024)])[0] == "local"
+
+
+def test_chunked_all_gather_and_all_to_all_follow_their_formulas():
+    net = ttt.flat_network(GBIT, 15)
+    sign = _study()["methods"]["sign"]
+    n = 8
+    a2a = (n - 1) * LATENCY + (n - 1) / n * 40_000 / BW
+    gather = (n - 1) * (LATENCY + 20_000 * 2 / n / BW)  # the server chunk is 1/n of the signs: 2/8 of world 2's
+    assert ttt.comm_time(sign, n, net, study_world=2) == pytest.approx(a2a + gather, rel=1e-12)
+    assert ttt.collective_time("all_gather", 100, 1, net) == 0.0
+    with pytest.raises(ValueError, match="op='broadcast'"):
+        ttt.collective_time("broadcast", 100, 8, net)
+
+
+def test_cli_prints_the_table_draws_the_plot_and_validates(tmp_path, capsys):
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps(_study()))
+    plot = tmp_path / "pays_off.png"
+    assert simulate.main(["--study", str(path), "--bandwidths", "10,400", "--world-sizes", "8,1024",
+                          "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    exact, topk, _, _ = _by_hand(8)
+    assert f"{max(topk) / exact:.2f} ({min(topk) / exact:.2f}-inf)" in out and "400 Gb/s" in out
+    assert plot.stat().st_size > 5000
+    assert simulate.main(["--study", str(path), "--validate"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [(r[0], r[1]) for r in rows] == [("2", "exact"), ("2", "topk"), ("4", "topk")]
+    # world 4, topk: the compute measured at 4 ranks, cost slowed as the compute, the gloo link fitted at 4
+    a, bw = 1e-3, 5e8
+    exact4 = 0.025 + sum(2 * 3 * a + 2 * 3 / 4 * b / bw for b in (1_200_000, 12_000))
+    topk4 = 0.025 + 3 * (a + 240_000 / bw)
+    predicted = 9 * exact4 + (212 - 10) * topk4
+    assert float(rows[2][2]) == pytest.approx(predicted, abs=0.006)
+    assert rows[2][4] == f"{100 * (predicted / 9.0 - 1):.0f}%"
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda s: s["methods"].pop("exact"), "no 'exact' method"),
+    (lambda s: s.pop("compute_s"), "no ['compute_s']"),
+    (lambda s: s["methods"]["exact"].update(steps_to_target=[None, None, 5]), "exact never reached the target"),
+])
+def test_a_bad_study_file_is_named(tmp_path, capsys, change, words):
+    study = _study()
+    change(study)
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps(study))
+    with pytest.raises(SystemExit):
+        simulate.main(["--study", str(path)])
+    assert words in capsys.readouterr().err
