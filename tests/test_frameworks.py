@@ -54,16 +54,26 @@ def _launches(out: str) -> dict:
             for name, cmd in commands.items()}
 
 
+class Runs:
+    """The three launches' results, once all have ended; runs[name] is [rank 0's results, rank 1's]."""
+
+    def __init__(self, out: str):
+        self.out, commands = out, _launches(out)
+        self.ended = {name: command.wait() for name, command in commands.items()}
+        self.loaded = {}
+
+    def __getitem__(self, name: str) -> list:
+        result = self.ended[name]  # a failed launch fails its own tests only
+        assert result.returncode == 0, str(result)
+        if name not in self.loaded:
+            self.loaded[name] = [torch.load(os.path.join(self.out, f"{name}-{rank}.pt"), weights_only=False)
+                                 for rank in (0, 1)]
+        return self.loaded[name]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{launch name: [rank 0's results, rank 1's]}, once all three launches have ended."""
-    out = str(tmp_path_factory.mktemp("frameworks"))
-    commands = _launches(out)
-    results = {name: command.wait() for name, command in commands.items()}
-    for result in results.values():
-        assert result.returncode == 0, str(result)
-    return {name: [torch.load(os.path.join(out, f"{name}-{rank}.pt"), weights_only=False) for rank in (0, 1)]
-            for name in commands}
+    return Runs(str(tmp_path_factory.mktemp("frameworks")))
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -87,6 +97,17 @@ def test_lightning_minidp_equals_ddp_bitwise(runs):
             assert mini["synced"] == ddp["steps"]
         assert not _equal(ranks["ddp", 1]["weights"], ranks["ddp", 3]["weights"])  # accumulation changes the run
     assert _equal(runs["lightning"][0]["minidp", 3]["weights"], runs["lightning"][1]["minidp", 3]["weights"])
+
+
+def test_lightning_strategy_keywords_reach_minidp(runs):
+    """DDPStrategy(ddp_comm_hook=fp16_compress_hook, bucket_cap_mb=1): both reach minidp.DDP, on CPU too."""
+    for ranks in runs["lightning"]:
+        hooked, plain = ranks["comm_hook", 1], ranks["minidp", 1]
+        assert (hooked["hook"], hooked["bucket_cap_mb"]) == ("fp16_compress_hook", 1)
+        assert (plain["hook"], plain["bucket_cap_mb"]) == (None, None)
+        assert not _equal(hooked["weights"], plain["weights"])  # the hook rounded the averaged gradients
+        gap = max((weight - plain["weights"][name]).abs().max().item() for name, weight in hooked["weights"].items())
+        assert gap < 1e-2  # ... to about fp16's precision
 
 
 def test_lightning_checkpoints_resume_across_strategies(runs):
@@ -144,6 +165,16 @@ def test_accelerate_no_sync_and_trigger_sync(runs, launcher):
     mini = [rank["sync_switches", "minidp"] for rank in ranks]
     assert not torch.equal(mini[0]["local"], mini[1]["local"])
     assert torch.equal(mini[0]["averaged"], mini[1]["averaged"])
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_accelerate_ddp_kwargs_and_comm_hook(runs, launcher):
+    """DistributedDataParallelKwargs(comm_hook=FP16, gradient_as_bucket_view=True) reaches minidp.DDP."""
+    for ranks in runs[launcher]:
+        torch_ddp, mini = ranks["comm_hook", "torch"], ranks["comm_hook", "minidp"]
+        assert mini["hook"] == torch_ddp["hook"] == "fp16_compress_hook"
+        assert mini["gradient_as_bucket_view"] and torch_ddp["gradient_as_bucket_view"]
+        assert _equal(mini["weights"], torch_ddp["weights"])
 
 
 def test_both_accelerate_launchers_agree(runs):

@@ -5,7 +5,8 @@ For gradient_accumulation_steps 1 and 3, each Accelerator trains 2 epochs (SGD w
 loader, accumulate()) and save_state()s after epoch 0; then each saved state resumes under the other
 Accelerator (load_state()). Each rank writes OUT_DIR/<TAG>-<rank>.pt: final weights, the wrapper's type,
 whether unwrap_model() is the user's module, get_state_dict() keys, gather()ed losses, the synced backward
-count (minidp), the gradients after no_sync() and trigger_sync_in_backward(). tests/test_frameworks.py compares them.
+count (minidp), the gradients after no_sync() and trigger_sync_in_backward(), and a run with an FP16 comm
+hook from DistributedDataParallelKwargs. tests/test_frameworks.py compares them.
 """
 import os
 import sys
@@ -14,7 +15,7 @@ import warnings
 import accelerate
 import torch
 import torch.distributed as dist
-from accelerate.utils import DataLoaderConfiguration
+from accelerate.utils import DataLoaderConfiguration, DDPCommunicationHookType, DistributedDataParallelKwargs
 from torch.utils.data import DataLoader, TensorDataset
 
 import minidp
@@ -27,11 +28,12 @@ KINDS = {"torch": accelerate.Accelerator, "minidp": minidp.accelerate.Accelerato
 ACCUMULATIONS = (1, 3)  # 3 of 8 batches per rank and epoch: the epoch's last step has 2 (synced at its end)
 
 
-def make(kind, accumulate):
+def make(kind, accumulate, handlers=()):
     """An Accelerator of `kind`, and a fresh model, optimizer and shuffled loader prepared by it."""
     # A seedable sampler: each epoch's shuffle depends on (seed, epoch) only, so a resumed run sees the same batches.
     acc = KINDS[kind](cpu=not torch.cuda.is_available(), gradient_accumulation_steps=accumulate,
-                      dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=0))
+                      dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=0),
+                      kwargs_handlers=list(handlers))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -86,6 +88,18 @@ def resumed_run(saved, kind, accumulate):
     return out
 
 
+def hooked_run(kind):
+    """One epoch with DistributedDataParallelKwargs: Accelerate's FP16 comm hook, gradients as bucket views."""
+    handler = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16, gradient_as_bucket_view=True)
+    acc, model, wrapped, optimizer, loader = make(kind, 1, [handler])
+    train_epoch(acc, wrapped, optimizer, loader, 0)
+    hook = wrapped._comm_hook[1] if isinstance(wrapped, minidp.DDP) else wrapped._comm_hooks[0][0]
+    out = {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "hook": hook.__qualname__,
+           "gradient_as_bucket_view": wrapped.gradient_as_bucket_view}
+    acc.free_memory()
+    return out
+
+
 def sync_switches(kind):
     """Gradients after a backward under no_sync(), and after trigger_sync_in_backward(): each rank's own data."""
     acc, model, wrapped, _, _ = make(kind, 1)
@@ -112,6 +126,7 @@ for saved, resumed in (("torch", "minidp"), ("minidp", "torch")):
     results[f"{saved}->{resumed}", accumulate] = resumed_run(saved, resumed, accumulate)
 for kind in KINDS:
     results["sync_switches", kind] = sync_switches(kind)
+    results["comm_hook", kind] = hooked_run(kind)
 torch.save(results, os.path.join(OUT, f"{TAG}-{dist.get_rank()}.pt"))
 dist.barrier()  # ranks meet here: both files written before either process ends
 dist.destroy_process_group()

@@ -5,7 +5,8 @@ own launcher (it re-runs this script); every later Trainer in both processes fin
 For accumulate_grad_batches 1 and 3, each strategy trains 2 epochs (SGD with momentum, a shuffled
 loader) and saves a checkpoint after each epoch; then each epoch-0 checkpoint resumes under the other
 strategy. Each rank writes OUT_DIR/lightning-<rank>.pt: final weights, steps, minidp's synced backward
-count, the checkpoints' keys. tests/test_frameworks.py compares them.
+count, the checkpoints' keys; and a minidp run with an FP16 comm hook and a bucket cap given to the
+strategy. tests/test_frameworks.py compares them.
 """
 import glob
 import importlib
@@ -16,6 +17,7 @@ import warnings
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.utils.data import DataLoader, TensorDataset
 
 import minidp
@@ -50,6 +52,9 @@ class Record(L.Callback):
         wrapper = trainer.strategy.model
         self.wrapper = f"{type(wrapper).__module__.split('.')[0]}.{type(wrapper).__name__}"
         self.synced = wrapper.reducer.iteration if isinstance(wrapper, minidp.DDP) else None
+        hook = wrapper.reducer.comm_hook if isinstance(wrapper, minidp.DDP) else None
+        self.hook = hook.__qualname__ if hook is not None else None
+        self.bucket_cap_mb = wrapper.bucket_cap_mb if isinstance(wrapper, minidp.DDP) else None
 
 
 def loader():
@@ -72,6 +77,7 @@ def fit(strategy, accumulate, ckpt_dir=None, ckpt_path=None):
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"weights": weights, "steps": trainer.global_step, "wrapper": record.wrapper, "synced": record.synced,
             "strategy": type(trainer.strategy).__module__ + "." + type(trainer.strategy).__name__,
+            "hook": record.hook, "bucket_cap_mb": record.bucket_cap_mb,
             "lightning_module_is_model": trainer.lightning_module is model}
 
 
@@ -85,6 +91,9 @@ for saved, resumed in (("ddp", "minidp"), ("minidp", "ddp")):
     (ckpt,) = glob.glob(os.path.join(OUT, f"{saved}-{accumulate}", "epoch=0-*.ckpt"))
     results[f"{saved}->{resumed}", accumulate] = fit(resumed, accumulate, ckpt_path=ckpt)
     results[f"{saved}->{resumed}", accumulate]["ckpt_keys"] = sorted(torch.load(ckpt, weights_only=False)["state_dict"])
+# Lightning's DDP keywords reach minidp.DDP: a comm hook (registered on CPU too) and a bucket cap.
+strategy = minidp.lightning.DDPStrategy(ddp_comm_hook=fp16_compress_hook, bucket_cap_mb=1)
+results["comm_hook", 1] = fit(strategy, 1)
 results["world_size"] = dist.get_world_size()
 results["registered"] = sorted(n for n in L.pytorch.strategies.StrategyRegistry if n.startswith("minidp"))
 torch.save(results, os.path.join(OUT, f"lightning-{dist.get_rank()}.pt"))
