@@ -4,7 +4,8 @@
     PYTHONPATH=. python benchmarks/gpu_check.py --quick          # the MLP only, fewer steps
     PYTHONPATH=. python benchmarks/gpu_check.py --device cpu --quick --results-md ''   # dry run without a GPU
 
-Checks, each in fresh processes (the checks themselves: gpu_checks.py):
+Checks, each in fresh processes on a GPU (on the CPU, those of one world size share a launch; the checks
+themselves: gpu_checks.py):
   engine       world size 1 on NCCL: minidp.DDP(transport=TorchDist()) against torch DDP on the MLP and
                ResNet-18 (the default path issues no collective at world size 1), bitwise; step ratio.
   status       world size 1 on NCCL: the default step's host syncs under torch.cuda.set_sync_debug_mode
@@ -53,10 +54,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per check before it is killed")
     p.add_argument("--results-md", default=os.path.join(HERE, "RESULTS.md"), help="'' to skip writing")
     p.add_argument("--checks", default=",".join(CHECKS), help="comma-separated subset (default: all)")
+    p.add_argument("--share-processes", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the checks of one world size in one launch (default: on the CPU only)")
     args = p.parse_args(argv)
     args.checks = [c.strip() for c in args.checks.split(",") if c.strip()]
     if not args.checks or any(c not in CHECKS for c in args.checks):
         p.error(f"--checks {','.join(args.checks)!r}: choose from {','.join(CHECKS)}")
+    if args.share_processes is None:
+        args.share_processes = args.device == "cpu"
     if args.steps is None:
         args.steps = 4 if args.quick else 30
     if args.steps < 1:
@@ -76,30 +81,47 @@ def judged(rows: list, world: int) -> list:
     return rows
 
 
-def _worker(local_rank: int, name: str, args, path: str) -> None:
+def _worker(local_rank: int, names: list, args, folder: str) -> None:
+    """Run `names` (checks of one world size) one after another in this process; each writes its rows file."""
     counter = CollectiveCounter().install()  # first: every transport and model made below is counted
-    fn, procs = CHECKS[name]
+    procs = CHECKS[names[0]][1]
     minidp.init(backend="nccl" if args.device == "cuda" and procs == 1 else "gloo", timeout=120)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // (2 * procs)))
-    rows = fn(args, counter)
-    if dist.get_rank() == 0:
-        with open(path, "w") as f:
-            json.dump(judged(rows, procs), f)
+    for name in names:
+        began = time.time()
+        rows = CHECKS[name][0](args, counter)  # an exception ends the launch: the caller reruns what is left
+        if dist.get_rank() == 0:
+            with open(os.path.join(folder, f"{name}.json"), "w") as f:
+                json.dump({"rows": judged(rows, procs), "seconds": time.time() - began}, f)
     minidp.shutdown()
 
 
-def run_check(name: str, args) -> list:
-    """Run one check in fresh processes; a crash or timeout becomes a FAIL row, not a stop."""
-    _, procs = CHECKS[name]
+def run_checks(names: list, args) -> dict:
+    """{name: (rows, seconds)} for checks of one world size, run in one launch (fresh processes).
+
+    A check that crashed or timed out becomes a FAIL row, not a stop; the checks after it in a shared
+    launch are run again, each in fresh processes of its own."""
+    procs = CHECKS[names[0]][1]
+    found = {}
     with tempfile.TemporaryDirectory(prefix="minidp-gpu-check-") as folder:
-        path = os.path.join(folder, "rows.json")
+        began = time.time()
         try:
-            minidp.launch(_worker, procs, args=(name, args, path), timeout=args.timeout)
-            with open(path) as f:
-                return json.load(f)
+            minidp.launch(_worker, procs, args=(names, args, folder), timeout=args.timeout * len(names))
+            error = None
         except Exception as exc:  # noqa: BLE001 - reported in the table
-            return judged([row(name, False, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}")],
-                          procs)
+            error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+        for name in names:
+            path = os.path.join(folder, f"{name}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    done = json.load(f)
+                found[name] = done["rows"], done["seconds"]
+    if error is not None and len(names) == 1:
+        found[names[0]] = judged([row(names[0], False, error)], procs), time.time() - began
+    elif error is not None:  # rerun each check left without rows alone, so that a failure is its own
+        for name in [n for n in names if n not in found]:
+            found.update(run_checks([name], args))
+    return found
 
 
 def write_section(path: str, tag: str, text: str) -> None:
@@ -145,14 +167,23 @@ def environment() -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     start, rows = time.time(), []
-    for name in args.checks:
-        began = time.time()
+    # Checks of one world size share a launch on the CPU (a dry run: what matters there is that every
+    # path runs); on a GPU each runs in fresh processes, so one check's CUDA state cannot touch the next.
+    sizes = sorted({CHECKS[n][1] for n in args.checks})
+    groups = ([[n for n in args.checks if CHECKS[n][1] == procs] for procs in sizes] if args.share_processes
+              else [[n] for n in args.checks])
+    found = {}
+    for names in groups:
         try:
-            found = run_check(name, args)
+            found.update(run_checks(names, args))
         except Exception:  # noqa: BLE001 - never lose the rows gathered so far
-            found = judged([row(name, False, traceback.format_exc().strip().splitlines()[-1])], CHECKS[name][1])
-        print(verdict(name, found, time.time() - began), flush=True)
-        rows += found
+            for name in names:
+                found.setdefault(name, (judged([row(name, False, traceback.format_exc().strip().splitlines()[-1])],
+                                               CHECKS[name][1]), 0.0))
+    for name in args.checks:
+        checked, seconds = found[name]
+        print(verdict(name, checked, seconds), flush=True)
+        rows += checked
     text = table(rows, f"GPU check ({environment()}; {time.time() - start:.0f} s; "
                        f"{'quick' if args.quick else 'full'}, {args.steps} timed steps)")
     print(text)

@@ -221,6 +221,34 @@ def test_results_section_replaced_in_place(tmp_path):
     assert "A note written by hand." in text and "gpu table" in text
 
 
+
+def test_gpu_check_shared_launch_reruns_alone_what_a_crash_left_unchecked(monkeypatch):
+    """On the CPU the checks of one world size share a launch; a check that crashes it must still get
+    its own FAIL row, and the checks after it their own runs (each alone), not be lost with it."""
+    import gpu_check
+
+    launches = []
+
+    def fake_launch(worker, procs, args, timeout):
+        names, _, folder = args
+        launches.append(list(names))
+        for name in names:
+            if name == "crashes":
+                raise RuntimeError("worker rank 0 failed: boom")
+            with open(os.path.join(folder, f"{name}.json"), "w") as f:
+                json.dump({"rows": [gpu_check.row(name, True, "fine", 1)], "seconds": 0.5}, f)
+
+    monkeypatch.setattr(gpu_check.minidp, "launch", fake_launch)
+    monkeypatch.setitem(gpu_check.CHECKS, "crashes", (None, 1))
+    args = gpu_check.parse_args(["--device", "cpu", "--results-md", ""])
+    found = gpu_check.run_checks(["engine", "crashes", "status"], args)
+    assert launches == [["engine", "crashes", "status"], ["crashes"], ["status"]]
+    assert [r["result"] for r in found["engine"][0]] == ["ok"] and [r["result"] for r in found["status"][0]] == ["ok"]
+    (failed,), _ = found["crashes"]
+    assert failed["result"] == "FAIL" and "boom" in failed["detail"], failed
+    assert args.share_processes  # the CPU dry run shares launches by default
+
+
 # ---- GPU ---------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

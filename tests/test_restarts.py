@@ -3,7 +3,8 @@
 Every launcher run of this file starts at once from one module fixture (each in its own session, with
 its own port and a hard timeout that kills its process tree), and each test waits for its own:
 
-  reference   python -m minidp.run, 2 workers, tests/scripts/restart_train.py uninterrupted
+  reference   restart_train.py's build and train_step, uninterrupted, in 2 ranks forked from this process
+            (no launcher: it is the answer, not what is tested)
   torchrun    torchrun --max-restarts 1: rank 1 SIGKILLs itself at step 20 of 40, attempt 0 only
   run         python -m minidp.run --max-restarts 1, the same
   stuck_*     tests/scripts/stuck_rank.py: rank 1 sleeps at step 5 under minidp.run and torchrun
@@ -28,7 +29,10 @@ from minidp.rendezvous import attempt_prefix
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 sys.path.insert(0, SCRIPTS)
+import restart_train  # noqa: E402
 from processes import VENV_BIN, Command, clean_env  # noqa: E402
+
+from harness import run_ranks  # noqa: E402
 
 TORCHRUN = os.path.join(VENV_BIN, "torchrun")
 RUN = [sys.executable, "-m", "minidp.run", "--nproc-per-node", "2"]
@@ -37,6 +41,7 @@ TIMEOUT_S = 150  # per command: a hang ends here, its tree killed
 STUCK_TIMEOUT = 15  # init(timeout=15), as in the issue
 # "Within the timeout plus a few seconds": a few on an idle machine (benchmarks/RESULTS.md), more when loaded.
 SLACK_S = 20
+STEPS = 40  # the restarted runs' length; rank 1 is killed halfway
 
 
 def _scenarios(tmp):
@@ -44,9 +49,8 @@ def _scenarios(tmp):
         path = tmp / name
         path.mkdir()
         return str(path)
-    kill = ["--steps", "40", "--kill-at", "20"]
+    kill = ["--steps", str(STEPS), "--kill-at", str(STEPS // 2)]
     return {
-        "reference": [*RUN, TRAIN, out("reference"), "--steps", "40"],
         "torchrun": [TORCHRUN, "--nproc-per-node", "2", "--max-restarts", "1", "--master-port", str(free_port()),
                      TRAIN, out("torchrun"), *kill],
         "run": [*RUN, "--max-restarts", "1", TRAIN, out("run"), *kill],
@@ -72,15 +76,25 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("restarts")
     env = clean_env(CUDA_VISIBLE_DEVICES="")  # CPU and gloo, as tests/conftest.py has it
     commands = {name: Command(cmd, ROOT, env, timeout=TIMEOUT_S) for name, cmd in _scenarios(tmp).items()}
+    # Before the pool starts its threads: with none running, the harness forks the reference's ranks.
+    reference = run_ranks(_uninterrupted, 2, STEPS)[0]
     pool = concurrent.futures.ThreadPoolExecutor(len(commands))
-    yield {name: pool.submit(lambda c=c: (c.wait(), time.time())) for name, c in commands.items()}, tmp
+    yield {name: pool.submit(lambda c=c: (c.wait(), time.time())) for name, c in commands.items()}, tmp, reference
     for c in commands.values():
         c.wait()  # a test that failed early left its command running: its timeout kills the tree
     pool.shutdown()
 
 
+def _uninterrupted(steps):
+    """The run the restarted ones must equal: every step once, no checkpoint, no launcher (rank 0's weights)."""
+    model, opt = restart_train.build()
+    for step in range(steps):
+        restart_train.train_step(model, opt, step, dist.get_rank())
+    return model.module.state_dict()
+
+
 def _wait(runs, name):
-    futures, tmp = runs
+    futures, tmp, _ = runs
     result, ended = futures[name].result()
     return result, ended, tmp / name
 
@@ -98,19 +112,17 @@ def _assert_bitwise_equal(a, b):
 @pytest.mark.parametrize("launcher", ["torchrun", "run"])
 def test_a_killed_worker_is_restarted_and_the_resumed_run_ends_bitwise_equal(runs, launcher):
     result, _, folder = _wait(runs, launcher)
-    reference, _, ref_folder = _wait(runs, "reference")
-    assert reference.returncode == 0, reference
     assert result.returncode == 0, result
     # Attempt 0 lost rank 1 at step 20; both workers of attempt 1 met (no stale gloo address) and resumed.
     assert "attempt 0 rank 1 done" not in result.output, result
     for rank in (0, 1):
-        assert f"attempt 1 rank {rank} starts at step 20" in result.output, result
+        assert f"attempt 1 rank {rank} starts at step {STEPS // 2}" in result.output, result
         assert f"attempt 1 rank {rank} done" in result.output, result
     assert "connectFullMesh" not in result.output, result
     if launcher == "run":
         assert "worker rank 1 failed first (exit code -9)" in result.output, result
         assert "killed by signal SIGKILL" in result.output and "restart 1 of 1" in result.output, result
-    _assert_bitwise_equal(_final(folder), _final(ref_folder))
+    _assert_bitwise_equal(_final(folder), runs[2])
 
 
 @pytest.mark.parametrize("launcher, timeout", [("stuck_run", STUCK_TIMEOUT), ("stuck_torchrun", STUCK_TIMEOUT),
