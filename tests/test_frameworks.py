@@ -99,6 +99,16 @@ def test_lightning_minidp_equals_ddp_bitwise(runs):
     assert _equal(runs["lightning"][0]["minidp", 3]["weights"], runs["lightning"][1]["minidp", 3]["weights"])
 
 
+def test_lightning_manual_optimization(runs):
+    """Manual optimization (backward inside training_step, accumulation by toggle_model): torch DDP's weights."""
+    for ranks in runs["lightning"]:
+        ddp, mini = ranks["manual", "ddp"], ranks["manual", "minidp"]
+        assert mini["wrapper"] == "minidp.DistributedDataParallel"
+        assert _equal(mini["weights"], ddp["weights"])
+        assert mini["synced"] == ddp["steps"] < 16  # one averaging backward per optimizer step, of 16 batches
+        assert not _equal(ddp["weights"], ranks["ddp", 1]["weights"])  # the accumulation happened
+
+
 def test_lightning_strategy_keywords_reach_minidp(runs):
     """DDPStrategy(ddp_comm_hook=fp16_compress_hook, bucket_cap_mb=1): both reach minidp.DDP, on CPU too."""
     for ranks in runs["lightning"]:

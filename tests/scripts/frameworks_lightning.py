@@ -6,7 +6,7 @@ For accumulate_grad_batches 1 and 3, each strategy trains 2 epochs (SGD with mom
 loader) and saves a checkpoint after each epoch; then each epoch-0 checkpoint resumes under the other
 strategy. Each rank writes OUT_DIR/lightning-<rank>.pt: final weights, steps, minidp's synced backward
 count, the checkpoints' keys; and a minidp run with an FP16 comm hook and a bucket cap given to the
-strategy. tests/test_frameworks.py compares them.
+strategy; and both strategies under manual optimization. tests/test_frameworks.py compares them.
 """
 import glob
 import importlib
@@ -45,6 +45,24 @@ class Net(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
+class ManualNet(Net):
+    """Manual optimization, 3 batches accumulated per step through opt.toggle_model(sync_grad=...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, index):
+        opt = self.optimizers()
+        last = (index + 1) % 3 == 0 or index + 1 == self.trainer.num_training_batches
+        with opt.toggle_model(sync_grad=last):  # no_sync() unless the step ends here
+            x, y = batch
+            self.manual_backward(torch.nn.functional.mse_loss(self.net(x), y) / 3)
+        if last:
+            opt.step()
+            opt.zero_grad()
+
+
 class Record(L.Callback):
     """What the wrapper was during fit (before teardown unwraps it), and minidp's synced backward count."""
 
@@ -64,9 +82,9 @@ def loader():
     return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)  # Lightning adds its DistributedSampler
 
 
-def fit(strategy, accumulate, ckpt_dir=None, ckpt_path=None):
+def fit(strategy, accumulate, ckpt_dir=None, ckpt_path=None, module=Net):
     L.seed_everything(0, verbose=False)
-    model, record = Net(), Record()
+    model, record = module(), Record()
     callbacks = [record]
     if ckpt_dir:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1))
@@ -94,6 +112,8 @@ for saved, resumed in (("ddp", "minidp"), ("minidp", "ddp")):
 # Lightning's DDP keywords reach minidp.DDP: a comm hook (registered on CPU too) and a bucket cap.
 strategy = minidp.lightning.DDPStrategy(ddp_comm_hook=fp16_compress_hook, bucket_cap_mb=1)
 results["comm_hook", 1] = fit(strategy, 1)
+for strategy in ("ddp", "minidp"):
+    results["manual", strategy] = fit(strategy, 1, module=ManualNet)
 results["world_size"] = dist.get_world_size()
 results["registered"] = sorted(n for n in L.pytorch.strategies.StrategyRegistry if n.startswith("minidp"))
 torch.save(results, os.path.join(OUT, f"lightning-{dist.get_rank()}.pt"))
