@@ -1,12 +1,14 @@
-"""minidp inside Hugging Face Accelerate: `from minidp.accelerate import Accelerator`, nothing else changed.
+r"""minidp inside Hugging Face Accelerate: `from minidp.accelerate import Accelerator`, nothing else changed.
 
-    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_minidp.py   # Accelerate's launcher
-    torchrun --nproc-per-node 2 examples/accelerate_minidp.py                      # or torchrun
-    torchrun --nproc-per-node 2 examples/accelerate_minidp.py --engine torch       # accelerate's own (torch DDP)
+    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
+        --dynamo_backend no --main_process_port 0 examples/accelerate_minidp.py    # Accelerate's launcher
+    torchrun --nproc-per-node 2 examples/accelerate_minidp.py                    # or torchrun
+    torchrun --nproc-per-node 2 examples/accelerate_minidp.py --engine torch     # accelerate's own (torch DDP)
 
-Without GPUs the script asks Accelerate for CPU processes (cpu=True): `--multi_gpu` is then just Accelerate's
-torchrun-based launcher. A small regression MLP trains for 2 epochs (SGD with momentum, a shuffled loader
-that Accelerate shards, accumulate() over 2 batches: Accelerate calls minidp's no_sync()). Rank 0 prints the
+Without GPUs the script asks Accelerate for CPU processes (cpu=True): `--multi_gpu` is then just
+Accelerate's torchrun-based launcher (`--cpu` would start one process); `--main_process_port 0` picks a
+free port. A small regression MLP trains for 2 epochs (SGD with momentum, a shuffled loader that
+Accelerate shards, accumulate() over 2 batches: Accelerate calls minidp's no_sync()). Rank 0 prints the
 gathered losses and a fingerprint of the weights' bytes: both engines print the same (bitwise equal
 weights). Needs `pip install 'minidp[accelerate]'`. A few seconds on a CPU.
 """
