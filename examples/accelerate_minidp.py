@@ -3,7 +3,7 @@ r"""minidp inside Hugging Face Accelerate: `from minidp.accelerate import Accele
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
         --dynamo_backend no --main_process_port 0 examples/accelerate_minidp.py    # Accelerate's launcher
     torchrun --nproc-per-node 2 examples/accelerate_minidp.py                    # or torchrun
-    torchrun --nproc-per-node 2 examples/accelerate_minidp.py --engine torch     # accelerate's own (torch DDP)
+    torchrun --nproc-per-node 2 examples/accelerate_minidp.py --engine ddp       # accelerate's own (torch DDP)
 
 Without GPUs the script asks Accelerate for CPU processes (cpu=True): `--multi_gpu` is then just
 Accelerate's torchrun-based launcher (`--cpu` would start one process); `--main_process_port 0` picks a
@@ -25,7 +25,7 @@ import minidp.accelerate
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", default="minidp", choices=["minidp", "torch"],
+    parser.add_argument("--engine", default="minidp", choices=["minidp", "ddp"],
                         help="minidp.accelerate.Accelerator (default) or accelerate.Accelerator (torch DDP)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the ranks share this machine's cores
