@@ -15,7 +15,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import compression  # noqa: E402 - benchmarks/ is not a package
+import compression_report  # noqa: E402
 import gpu_check  # noqa: E402
+
+from minidp.study import simulate  # noqa: E402
 
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
                "MASTER_ADDR", "MASTER_PORT")
@@ -27,21 +30,47 @@ def _run(*cmd, timeout=240):
     return subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_compression_study_quick_run_writes_json_plot_and_table(tmp_path):
+def test_compression_study_quick_run_writes_the_study_and_simulate_reads_it(tmp_path, capsys):
+    """The real script, tiny: one lr (world size 2; the choice among several is tested below), the cost phase
+    (world size 1), the report; then python -m minidp.simulate --study on what it wrote."""
     results_md = tmp_path / "RESULTS.md"
     results_md.write_text("# notes kept\n")
-    proc = _run("benchmarks/compression.py", "--quick", "--configs", "exact,TopK 1%+EF,local SGD /4", "--out",
-                str(tmp_path), "--results-md", str(results_md), "--synthetic-dir", str(tmp_path / "data"))
+    proc = _run("benchmarks/compression.py", "--quick", "--phases", "sweep,cost,report", "--methods",
+                "exact,TopK 1%+EF", "--steps", "8", "--lrs", "0.1", "--cost-steps", "6", "--out", str(tmp_path), "--results-md", str(results_md))
     assert proc.returncode == 0, proc.stderr
-    with open(tmp_path / "results" / "compression_cpu.json") as f:
-        data = json.load(f)
-    rows = {r["name"]: r for r in data["results"]}
-    assert list(rows) == ["exact", "TopK 1%+EF", "local SGD /4"] and data["world_size"] == 2
-    assert rows["TopK 1%+EF"]["bytes_measured"] == rows["TopK 1%+EF"]["bytes_analytical"] < rows["exact"]["bytes_dense"]
-    assert os.path.getsize(tmp_path / "results" / "compression_cpu.png") > 1000
-    assert rows["exact"]["step_ratio"] == 1.0 and rows["TopK 1%+EF"]["step_ratio"] > 0
+    study = json.loads((tmp_path / "compression_study.json").read_text())
+    exact, topk = study["methods"]["exact"], study["methods"]["TopK 1%+EF"]
+    assert set(exact["sweep"]) == set(topk["sweep"]) == {"0.1"} and topk["lr"] == 0.1
+    assert topk["bytes_measured"] == topk["bytes_analytical"] < topk["param_bytes"] == exact["bytes_measured"]
+    assert {c["op"] for c in topk["collectives"]} == {"all_gather"} and {c["op"] for c in exact["collectives"]} == {
+        "all_reduce"}
+    assert sum(c["bytes"] for c in exact["collectives"]) == exact["param_bytes"]  # every gradient, once
+    assert study["compute_s"]["1"] > 0 and topk["cost_s"] > 0  # TopK's selection costs more than nothing
     text = results_md.read_text()
     assert text.startswith("# notes kept\n") and "<!-- BEGIN compression cpu -->" in text and "| TopK 1%+EF |" in text
+    if exact["steps_to_target"][0] is None:
+        pytest.skip("exact did not reach the quick target in this run: no time to target to compare")
+    assert simulate.main(["--study", str(tmp_path / "compression_study.json"), "--world-sizes", "8"]) == 0
+    assert "TopK 1%+EF" in capsys.readouterr().out
+
+
+def test_the_lr_choice_and_the_sanity_verdicts():
+    def row(method, lr, steps, final):
+        return {"phase": "sweep", "method": method, "lr": lr, "steps_to_target": steps, "final_val_loss": final}
+    rows = [row("a", 0.1, 200, 0.9), row("a", 0.2, 180, 1.0), row("a", 0.4, 180, 0.95),  # fewest steps, then loss
+            row("b", 0.1, None, 2.0), row("b", 0.2, None, 1.5), row("b", 0.4, None, float("nan"))]  # never: loss
+    assert compression.chosen_lrs(rows) == {"a": 0.4, "b": 0.2}
+
+    def method(steps, finals):
+        return {"steps_to_target": steps, "final_val_loss": finals}
+    study = {"methods": {"exact": method([200, 210, 220], [0.70, 0.72, 0.74]),
+                         "Sign": method([300, 320, None], [1.00, 1.10, 1.30]),
+                         "Sign+EF": method([250, 260, 270], [0.90, 0.92, 0.95]),
+                         "TopK 1%+EF": method([230, 250, 260], [0.74, 0.76, 0.80]),
+                         "PowerSGD 4+EF": method([300, 310, 320], [0.71, 0.72, 0.73])}}
+    verdicts = {check: verdict for check, verdict, _ in compression_report.sanity(study)}
+    assert verdicts == {"EF-Sign at least as good as Sign": "reproduced", "TopK 1%+EF close to exact": "reproduced",
+                        "PowerSGD 4+EF close to exact": "NOT reproduced"}  # 310 steps > 1.25 x 210
 
 
 def _table_rows(stdout: str) -> list[dict]:
@@ -89,8 +118,9 @@ def test_gpu_check_fails_a_row_that_issued_no_collective():
 
 
 @pytest.mark.parametrize("module, argv, words", [
-    (compression, ["--configs", "exact,Zip"], "--configs: unknown ['Zip']"),
-    (compression, ["--epochs", "0"], "argument --epochs"),
+    (compression, ["--methods", "exact,Zip"], "--methods: unknown ['Zip']"),
+    (compression, ["--steps", "0"], "--steps 0 must be >= 1"),
+    (compression, ["--lrs", "0.1,fast"], "--lrs '0.1,fast'"),
     (gpu_check, ["--device", "cpu", "--steps", "0"], "--steps 0 must be >= 1"),
     (gpu_check, ["--device", "cpu", "--checks", "engine,zip"], "choose from engine,status,cupy,compressors,world2"),
 ])
@@ -106,21 +136,3 @@ def test_gpu_check_refuses_cuda_without_a_gpu(capsys):
     with pytest.raises(SystemExit):
         gpu_check.parse_args([])
     assert "use --device cpu for a dry run" in capsys.readouterr().err
-
-
-def test_runs_in_parts_merge_into_one_table(tmp_path):
-    def result(name, accuracy, step):
-        return {"name": name, "times": [step] * 5, "val_accuracy": accuracy, "val_loss": 1.0, "train_loss": 1.0,
-                "bytes_measured": 10, "bytes_analytical": 10, "bytes_dense": 100}
-    parts = [{"args": {"width": 16, "epochs": 4}, "world_size": 2, "device": "cpu",
-              "results": [result("exact", 0.5, 1.0), result("Sign+EF", 0.4, 3.0)]},
-             {"args": {"width": 16, "epochs": 4}, "world_size": 2, "device": "cpu",
-              "results": [result("exact", 0.6, 2.0), result("FP16", 0.45, 3.0)]}]
-    for i, part in enumerate(parts):
-        compression.add_step_ratios(part)
-        (tmp_path / f"{i}.json").write_text(json.dumps(part))
-    merged = compression.merge([str(tmp_path / "0.json"), str(tmp_path / "1.json")])
-    assert [r["name"] for r in merged["results"]] == ["exact", "FP16", "Sign+EF"]  # the study's order
-    assert merged["results"][0]["val_accuracy"] == 0.5  # the first run's exact
-    assert [r["step_ratio"] for r in merged["results"]] == [1.0, 1.5, 3.0]  # each against its own run's exact
-    assert "| FP16 | 0.450 | 1.000 | 1.000 | 10 | 10 | 0.1000 | 1.50 |" in compression.table(merged)

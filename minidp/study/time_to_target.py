@@ -101,11 +101,11 @@ def summarize(times: list) -> tuple:
 
 
 def relative_table(study: dict, world_sizes=STUDY_WORLD_SIZES, bandwidths=BANDWIDTHS_GBIT,
-                   latency_us: float = 15.0, compute_scale: float = 1.0) -> dict:
+                   latency_us: float = 15.0, compute_scale: float = 1.0, algorithm: str = "ring") -> dict:
     """{(gbit, N): {method: (median, min, max) time to target over exact's median}}."""
     out = {}
     for gbit in bandwidths:
-        net = flat_network(gbit, latency_us)
+        net = flat_network(gbit, latency_us, algorithm)
         for n in world_sizes:
             exact = summarize(time_to_target(study, "exact", n, net, compute_scale=compute_scale))[0]
             if math.isinf(exact):
@@ -231,12 +231,13 @@ def main_study(args, parser) -> int:
         gbits = [check_number("--bandwidths", float(g), positive=True) for g in args.bandwidths.split(",")]
         sizes = args.world_sizes if args.world_sizes_given else STUDY_WORLD_SIZES
         latency = 15.0 if args.inter_latency_us is None else args.inter_latency_us
-        table = relative_table(study, sizes, gbits, latency, args.compute_scale)
+        table = relative_table(study, sizes, gbits, latency, args.compute_scale, args.algorithm or "ring")
     except (OSError, ValueError, KeyError, TypeError) as e:
         parser.error(f"{type(e).__name__}: {e}")
     print(f"{args.study}: target {study.get('target')} ({study.get('metric', 'validation loss')}); compute "
           f"{1e3 * study['compute_s']['1'] * args.compute_scale:.2f} ms a step; every rank on its own node, "
-          f"{latency:g} us per message; no overlap\n" + format_table(study, table))
+          f"{latency:g} us per message, {args.algorithm or 'ring'} all-reduce; no overlap")
+    print(format_table(study, table))
     if args.plot:
         name = args.study.split("/")[-1]
         plot_fastest(args.plot, table, f"fastest to the target, speed-up over exact ({name}, "
