@@ -19,6 +19,7 @@ Phases, each a launch of its own:
             it reaches the target (its measured time to target), and before and after them the step with
             no communication (the compute the simulator's --shared-cores validation takes)
   network   gloo all-reduce sweeps at world sizes 2 and 4, fitted to alpha-beta links (network.fit_ring)
+  probe     one process: the share of exact SGD's gradients that TopK 1% and rank 1 / rank 4 keep
   report    OUT/compression_study.json, the tables (RESULTS.md between markers), the sanity checks
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ import compression_task as task  # noqa: E402 - benchmarks/ is not a package
 
 import minidp  # noqa: E402
 
-PHASES = ("sweep", "seeds", "cost", "validate", "network", "report")
+PHASES = ("sweep", "seeds", "cost", "validate", "network", "probe", "report")
 FULL = dict(steps=400, eval_every=10, global_batch=128, val_windows=4096, target=1.2, start_iter=task.START_ITER,
             lrs="0.05,0.1,0.2,0.4", seeds=3, cost_steps=60)
 QUICK = dict(steps=24, eval_every=4, global_batch=16, val_windows=256, target=4.3, start_iter=4, lrs="0.1,0.4",
@@ -128,6 +129,13 @@ def run_phase(phase: str, args) -> None:
     cfg, seeds = config(args), range(args.seeds)
     if phase == "sweep":
         launch(phase, [(m, lr, 0) for m in args.methods for lr in args.lrs], 2, cfg, args)
+        return
+    if phase == "probe":  # one process, no launch: what TopK and low rank keep of exact SGD's gradients
+        energy = task.gradient_energy(task.Text.load())
+        with open(os.path.join(args.out, "compression_probe.json"), "w") as f:
+            json.dump(energy, f, indent=1)
+        for step, row in energy.items():
+            print(f"step {step}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
         return
     if phase == "network":
         from compression_report import measure_links

@@ -7,7 +7,10 @@ validation loss, time to the target and median step (measured), bytes per step, 
 one step, and cost_s: the method's median step at world size 1 minus a step with no communication
 (what compress, decompress and memory cost here). compute_s: the no-communication step at world
 sizes 1, 2 and 4; network: the gloo links fitted at 2 and 4 ranks; measured: time to target and median
-step of the validation runs at world sizes 2 and 4.
+step of the validation runs at world sizes 2 and 4, each with the compute measured in its own launch (before
+and after the runs), from the least loaded launch. Others' work shares the cores in bursts: the world-size-1
+costs take the fastest of their repeats (what the code costs), the validation pairs each run with its
+launch's load.
 """
 from __future__ import annotations
 
@@ -52,6 +55,27 @@ def _after_first(row: dict):
     return None if row["time_to_target_s"] is None else row["time_to_target_s"] - row["first_step_s"]
 
 
+def _launches(rows: list, world: int) -> list:
+    """The validate phase's launches at `world` ranks, in order: each opens and closes with a no-communication run.
+
+    Returns [{"compute_s": the mean of its two no-communication medians, "rows": {method: row}}].
+    """
+    out, noops = [], 0
+    for r in rows:
+        if r["phase"] != "validate" or r["world_size"] != world:
+            continue
+        if r["method"] == "noop":
+            if noops % 2 == 0:
+                out.append({"noop": [], "rows": {}})
+            out[-1]["noop"].append(r["median_step_s"])
+            noops += 1
+        elif out:
+            out[-1]["rows"][r["method"]] = r
+    for launch in out:
+        launch["compute_s"] = sum(launch["noop"]) / len(launch["noop"])
+    return out
+
+
 def _median(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -67,11 +91,10 @@ def study(args, rows: list, lrs: dict) -> dict:
     # The least disturbed of the repeats: what the code costs, with as little of the others' load as measured.
     cost = {m: min(v) for m, v in cost.items()}
     compute = {"1": cost.get("noop")}
-    for w in ("2", "4"):
-        found = [r["median_step_s"] for r in rows
-                 if r["phase"] == "validate" and r["method"] == "noop" and r["world_size"] == int(w)]
+    launches = {w: _launches(rows, w) for w in (2, 4)}
+    for w, found in launches.items():
         if found:
-            compute[w] = min(found)  # as the costs: the least disturbed of the runs before and after
+            compute[str(w)] = min(launch["compute_s"] for launch in found)
     methods = {}
     for m in args.methods:
         if m not in lrs:
@@ -89,11 +112,12 @@ def study(args, rows: list, lrs: dict) -> dict:
             "sweep": {str(r["lr"]): [r["steps_to_target"], r["final_val_loss"]] for k, r in latest.items()
                       if k[0] == "sweep" and k[1] == m},
         }
-        for w in (2, 4):  # the validation runs (seed 0, until the target), beside the compute measured with them
-            found = [r for k, r in latest.items() if k[0] == "validate" and k[1] == m and k[4] == w]
-            if found:
-                methods[m]["measured"][str(w)] = {"time_to_target_s": [_after_first(r) for r in found],
-                                                  "step_s": _median(r["median_step_s"] for r in found)}
+        for w, found in launches.items():  # the validation runs (seed 0, until the target), one per launch,
+            # each with the compute measured in its launch (so with that launch's share of others' load)
+            runs = [{"time_to_target_s": _after_first(launch["rows"][m]), "step_s": launch["rows"][m]["median_step_s"],
+                     "compute_s": launch["compute_s"]} for launch in found if m in launch["rows"]]
+            if runs:
+                methods[m]["measured"][str(w)] = {"runs": runs}
     net_path = os.path.join(args.out, "compression_network.json")
     network = {}
     if os.path.exists(net_path):

@@ -152,3 +152,35 @@ def collectives(name: str, calls: list, param_bytes: int, world_size: int) -> li
         chunk = op == "all_gather" and any(nbytes * world_size == b for b in a2a)
         out.append({"op": op, "bytes": nbytes, "per_step": 1, "scale": "chunk" if chunk else "fixed"})
     return out
+
+
+def gradient_energy(text: Text, lr: float = 0.1, steps=(10, 100, 200, 300), seed: int = 0) -> dict:
+    """How much of a gradient TopK 1% and a rank-1/rank-4 approximation keep, along exact SGD's run (one process).
+
+    Per probed step: the share of the gradient's squared norm in its 1% largest entries (TopK 1%'s best
+    case) and, per matrix, in its best rank-1 and rank-4 approximation (singular values; PowerSGD's one
+    warm-started power iteration keeps at most that). What a compressor leaves out, error feedback carries
+    into later steps.
+    """
+    torch.manual_seed(seed)
+    model = CharMLP(text.vocab, text.context)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    out = {}
+    for step in range(max(steps) + 1):
+        x, y = text.batch(step, seed, 128, 0, 1)
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / START_ITER)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if step in steps:
+            grads = {name: p.grad for name, p in model.named_parameters()}
+            flat = torch.cat([g.flatten() for g in grads.values()])
+            row = {"topk_1%": ((flat.abs().topk(len(flat) // 100).values ** 2).sum() / (flat ** 2).sum()).item()}
+            for name, g in grads.items():
+                if g.dim() == 2:
+                    energy = torch.linalg.svdvals(g) ** 2
+                    row[f"{name} {tuple(g.shape)} rank 1"] = (energy[:1].sum() / energy.sum()).item()
+                    row[f"{name} {tuple(g.shape)} rank 4"] = (energy[:4].sum() / energy.sum()).item()
+            out[step] = row
+        opt.step()
+    return out

@@ -146,33 +146,39 @@ def format_table(study: dict, table: dict) -> str:
 def validate(study: dict) -> list:
     """Predicted against measured time to target where the study measured it (world sizes 2 and 4 here).
 
-    Each world size W uses the compute measured at W (all W ranks computing at once on the shared
-    cores, no communication), the method's cost scaled by the same slowdown, the gloo link fitted at W
-    (study["network"][W]), and nothing overlapping (shared cores). Returns rows of
-    (W, method, predicted_s, measured_s, error, predicted_step_s, measured_step_s, step_error).
+    measured[W]["runs"] lists runs of the method at W ranks (seed 0, one per launch), each with
+    time_to_target_s, its median step_s and compute_s: the step with no communication measured in the
+    same launch (all W ranks computing at once on the shared cores), which carries that launch's load.
+    Each run is predicted from its compute, the method's cost scaled by the same slowdown, the gloo link
+    fitted at W (study["network"][W]) and nothing overlapping (shared cores). Returns rows of
+    (W, method, predicted_s, measured_s, error, lowest error, highest error, predicted_step_s,
+    measured_step_s, step_error, runs): medians over the runs, errors as predicted / measured - 1.
     """
     rows = []
     for w, links in sorted(study["network"].items(), key=lambda kv: int(kv[0])):
         link = Link(**links)
         net = Network(link, link, ranks_per_node=int(w), shared_cores=True)
         for name, method in study["methods"].items():
-            measured = method.get("measured", {}).get(w)
-            if not measured or all(t is None for t in measured["time_to_target_s"]):
+            runs = [r for r in method.get("measured", {}).get(w, {}).get("runs", []) if r["time_to_target_s"]]
+            if not runs:
                 continue
-            pred = summarize(time_to_target(study, name, int(w), net, compute_s=study["compute_s"][w]))[0]
-            meas = summarize(measured["time_to_target_s"])[0]
-            step = step_time(study, name, int(w), net, compute_s=study["compute_s"][w])
-            rows.append((int(w), name, pred, meas, pred / meas - 1, step, measured["step_s"],
-                         step / measured["step_s"] - 1))
+            pred = [summarize(time_to_target(study, name, int(w), net, compute_s=r["compute_s"]))[0] for r in runs]
+            step = [step_time(study, name, int(w), net, compute_s=r["compute_s"]) for r in runs]
+            errors = [p / r["time_to_target_s"] - 1 for p, r in zip(pred, runs)]
+            med = statistics.median
+            rows.append((int(w), name, med(pred), med(r["time_to_target_s"] for r in runs), med(errors), min(errors),
+                         max(errors), med(step), med(r["step_s"] for r in runs),
+                         med(p / r["step_s"] - 1 for p, r in zip(step, runs)), len(runs)))
     return rows
 
 
 def format_validation(rows: list) -> str:
-    lines = [f"{'world':>5} {'method':<16} {'predicted s':>11} {'measured s':>10} {'error':>7} "
-             f"{'step ms pred':>12} {'step ms meas':>12} {'error':>7}"]
-    for w, name, pred, meas, err, step, mstep, serr in rows:
-        lines.append(f"{w:>5} {name:<16} {pred:>11.2f} {meas:>10.2f} {100 * err:>6.0f}% {1e3 * step:>12.1f} "
-                     f"{1e3 * mstep:>12.1f} {100 * serr:>6.0f}%")
+    lines = [f"{'world':>5} {'method':<16} {'predicted s':>11} {'measured s':>10} {'error (runs min-max)':>24} "
+             f"{'step ms pred':>12} {'step ms meas':>12} {'error':>6}"]
+    for w, name, pred, meas, err, low, high, step, mstep, serr, n in rows:
+        spread = f"{100 * err:+.0f}% ({n}: {100 * low:+.0f}..{100 * high:+.0f}%)"
+        lines.append(f"{w:>5} {name:<16} {pred:>11.2f} {meas:>10.2f} {spread:>24} {1e3 * step:>12.1f} "
+                     f"{1e3 * mstep:>12.1f} {100 * serr:>+5.0f}%")
     return "\n".join(lines)
 
 
