@@ -36,7 +36,8 @@ def test_compression_study_quick_run_writes_the_study_and_simulate_reads_it(tmp_
     results_md = tmp_path / "RESULTS.md"
     results_md.write_text("# notes kept\n")
     proc = _run("benchmarks/compression.py", "--quick", "--phases", "sweep,cost,report", "--methods",
-                "exact,TopK 1%+EF", "--steps", "8", "--lrs", "0.1", "--cost-steps", "6", "--out", str(tmp_path), "--results-md", str(results_md))
+                "exact,TopK 1%+EF", "--steps", "8", "--lrs", "0.1", "--cost-steps", "6", "--out", str(tmp_path),
+                "--results-md", str(results_md))
     assert proc.returncode == 0, proc.stderr
     study = json.loads((tmp_path / "compression_study.json").read_text())
     exact, topk = study["methods"]["exact"], study["methods"]["TopK 1%+EF"]
