@@ -82,6 +82,9 @@ def test_cli_prints_the_table_draws_the_plot_and_validates(tmp_path, capsys):
     exact, topk, _, _ = _by_hand(8)
     assert f"{max(topk) / exact:.2f} ({min(topk) / exact:.2f}-inf)" in out and "400 Gb/s" in out
     assert plot.stat().st_size > 5000
+    assert simulate.main(["--study", str(path), "--methods", "topk", "--world-sizes", "8", "--bandwidths", "10"]) == 0
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[3:]]
+    assert rows == ["exact", "topk", "fastest"]  # only the methods asked for, beside exact
     assert simulate.main(["--study", str(path), "--validate"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert [(r[0], r[1]) for r in rows] == [("2", "exact"), ("2", "topk"), ("4", "topk")]
@@ -100,6 +103,7 @@ def test_cli_prints_the_table_draws_the_plot_and_validates(tmp_path, capsys):
     (lambda s: s["methods"].pop("exact"), "no 'exact' method"),
     (lambda s: s.pop("compute_s"), "no ['compute_s']"),
     (lambda s: s["methods"]["exact"].update(steps_to_target=[None, None, 5]), "exact never reached the target"),
+    (lambda s: s["methods"].pop("topk"), "--methods: ['topk'] not in the study"),
 ])
 def test_a_bad_study_file_is_named(tmp_path, capsys, change, words):
     study = _study()
@@ -107,5 +111,5 @@ def test_a_bad_study_file_is_named(tmp_path, capsys, change, words):
     path = tmp_path / "study.json"
     path.write_text(json.dumps(study))
     with pytest.raises(SystemExit):
-        simulate.main(["--study", str(path)])
+        simulate.main(["--study", str(path), "--methods", "topk"])
     assert words in capsys.readouterr().err

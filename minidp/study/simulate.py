@@ -240,6 +240,7 @@ def parse_args(argv=None):
     study.add_argument("--bandwidths", default="10,25,100,400", help="link Gb/s for --study (default 10,25,100,400)")
     study.add_argument("--compute-scale", type=float, default=1.0, help="--study: compute x this (default 1)")
     study.add_argument("--validate", action="store_true", help="--study: predicted vs measured time to target")
+    study.add_argument("--methods", help="--study: compare only these methods with exact (comma-separated)")
     args = p.parse_args(argv)
     args.world_sizes_given = any(a.startswith("--world-sizes") for a in (argv if argv is not None else sys.argv))
     try:
