@@ -35,6 +35,7 @@ commands run in the background, two at a time, from a module fixture.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import re
@@ -222,13 +223,27 @@ BUCKET_ROW = re.compile(r"^ +(\d+) +(\d+) +([\d.]+)  (\S+) +(\S+) ", re.M)  # ex
 
 
 def check_explain(shown: str) -> Callable[[str], None]:
-    """The README's explain output shows the bucket layouts this run prints (they do not depend on the input)."""
+    """The README's explain output shows the bucket layouts this run prints (they do not depend on the input),
+    and the run's files hold the recorded step of both ranks. (This is the suite's ResNet-18 run of explain:
+    tests/test_explain.py runs the command on small models only.)"""
     rows = BUCKET_ROW.findall(shown)
 
     def check(output: str) -> None:
         assert rows and BUCKET_ROW.findall(output) == rows, f"README shows {rows}; the run printed:\n{output}"
         assert output.count("torch DDP builds the same buckets: yes") == 2, output
-        assert "explain: torch DDP step 3/3" in output, output  # the progress lines (stderr)
+        assert "explain: minidp step 3/3" in output and "explain: torch DDP step 3/3" in output, output
+        rebuilt = output.partition("After the rebuild")[2]
+        launched = [float(ms) for ms in re.findall(r"^ +\d+ +\d+ .*? \+([\d.]+) ms +\+[\d.]+ ms", rebuilt, re.M)]
+        # Overlap: buckets go out in order, the first while backward still runs.
+        assert len(launched) == len(BUCKET_ROW.findall(rebuilt)) > 1, output
+        backward_done = float(re.search(r"Backward done at \+([\d.]+) ms", rebuilt).group(1))
+        assert launched == sorted(launched) and launched[0] < backward_done, output
+        png, trace, events = (re.search(rf"(\S+_{kind})$", output, re.M).group(1)
+                              for kind in ("timeline.png", "trace.json", "events.json"))
+        assert os.path.getsize(png) > 10_000, png
+        assert any(e.get("ph") == "X" for e in json.load(open(trace))["traceEvents"]), trace
+        recorded = json.load(open(events))
+        assert set(recorded["events"]) == {"0", "1"} and len(recorded["params"]) == 62, recorded.keys()
     return check
 
 
