@@ -1,6 +1,6 @@
 """The gradient-compression study: steps and time to a target validation loss, per method, on real text.
 
-    python benchmarks/compression.py                        # every phase (about 25 min on 2 cores)
+    python benchmarks/compression.py                        # every phase (about 20-25 min on 2 idle cores)
     python benchmarks/compression.py --phases sweep,seeds   # only some phases; rows are appended to RUNS
     python benchmarks/compression.py --phases report        # rebuild the study JSON and table from RUNS
     python benchmarks/compression.py --quick --out /tmp/c   # tiny sizes, seconds (the smoke test)
@@ -38,7 +38,7 @@ import minidp  # noqa: E402
 
 PHASES = ("sweep", "seeds", "cost", "validate", "network", "probe", "report")
 FULL = dict(steps=400, eval_every=10, global_batch=128, val_windows=4096, target=1.2, start_iter=task.START_ITER,
-            lrs="0.05,0.1,0.2,0.4", seeds=3, cost_steps=60)
+            lrs="0.05,0.1,0.2", seeds=3, cost_steps=60)
 QUICK = dict(steps=24, eval_every=4, global_batch=16, val_windows=256, target=4.3, start_iter=4, lrs="0.1,0.4",
              seeds=2, cost_steps=10)
 

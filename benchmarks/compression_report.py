@@ -157,8 +157,8 @@ def tables(s: dict) -> str:
                      f"{_spread(m['final_val_loss'], '{:.3f}')} | {m['bytes_measured']:,.0f} | "
                      f"{m['bytes_analytical']:,.0f} | {m['bytes_measured'] / m['param_bytes']:.4f} | "
                      f"{_collectives(m)} | {1e3 * m['cost_s']:.2f} |")
-    lrs = [str(lr) for lr in s["lrs_swept"]]
-    lines += ["", "LR sweep (seed 0): steps to target (final val loss); **bold**: chosen", "",
+    lrs = sorted({lr for m in s["methods"].values() for lr in m["sweep"]}, key=float)  # every lr any method ran
+    lines += ["", "LR sweep (seed 0): steps to target (final val loss); **bold**: chosen; -: not run", "",
               "| method | " + " | ".join(lrs) + " |", "|" + " --- |" * (len(lrs) + 1)]
     for name, m in s["methods"].items():
         cells = []
