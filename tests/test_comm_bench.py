@@ -18,8 +18,6 @@ import compression  # noqa: E402 - benchmarks/ is not a package
 import compression_report  # noqa: E402
 import gpu_check  # noqa: E402
 
-from minidp.study import simulate  # noqa: E402
-
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
                "MASTER_ADDR", "MASTER_PORT")
 
@@ -30,14 +28,14 @@ def _run(*cmd, timeout=240):
     return subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_compression_study_quick_run_writes_the_study_and_simulate_reads_it(tmp_path, capsys):
-    """The real script, tiny: one lr (world size 2; the choice among several is tested below), the cost phase
-    (world size 1), the report; then python -m minidp.simulate --study on what it wrote."""
+def test_compression_study_quick_run_writes_the_study(tmp_path):
+    """The real script, tiny: one launch at world size 2 (one lr; the choice among several is tested below) and
+    the report. The cost phase and simulate --study are left to tests/test_time_to_target.py's fixture: each
+    launch here costs seconds of torch imports."""
     results_md = tmp_path / "RESULTS.md"
     results_md.write_text("# notes kept\n")
-    proc = _run("benchmarks/compression.py", "--quick", "--phases", "sweep,cost,report", "--methods",
-                "exact,TopK 1%+EF", "--steps", "8", "--lrs", "0.1", "--cost-steps", "6", "--out", str(tmp_path),
-                "--results-md", str(results_md))
+    proc = _run("benchmarks/compression.py", "--quick", "--phases", "sweep,report", "--methods", "exact,TopK 1%+EF",
+                "--steps", "8", "--lrs", "0.1", "--out", str(tmp_path), "--results-md", str(results_md))
     assert proc.returncode == 0, proc.stderr
     study = json.loads((tmp_path / "compression_study.json").read_text())
     exact, topk = study["methods"]["exact"], study["methods"]["TopK 1%+EF"]
@@ -46,13 +44,9 @@ def test_compression_study_quick_run_writes_the_study_and_simulate_reads_it(tmp_
     assert {c["op"] for c in topk["collectives"]} == {"all_gather"} and {c["op"] for c in exact["collectives"]} == {
         "all_reduce"}
     assert sum(c["bytes"] for c in exact["collectives"]) == exact["param_bytes"]  # every gradient, once
-    assert study["compute_s"]["1"] > 0 and topk["cost_s"] > 0  # TopK's selection costs more than nothing
+    assert exact["steps_to_target"] == [exact["sweep"]["0.1"][0]] and len(exact["final_val_loss"]) == 1
     text = results_md.read_text()
     assert text.startswith("# notes kept\n") and "<!-- BEGIN compression cpu -->" in text and "| TopK 1%+EF |" in text
-    if exact["steps_to_target"][0] is None:
-        pytest.skip("exact did not reach the quick target in this run: no time to target to compare")
-    assert simulate.main(["--study", str(tmp_path / "compression_study.json"), "--world-sizes", "8"]) == 0
-    assert "TopK 1%+EF" in capsys.readouterr().out
 
 
 def test_the_lr_choice_and_the_sanity_verdicts():
