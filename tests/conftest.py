@@ -49,6 +49,7 @@ def pytest_terminal_summary(terminalreporter):
     harness = sys.modules.get("harness")
     if harness is not None:
         counts = harness.START_METHODS
-        terminalreporter.write_line(f"test workers: {counts['fork']} launches forked, {counts['spawn']} spawned")
+        terminalreporter.write_line(f"test workers: {counts['fork']} launches forked, {counts['forkserver']} from the "
+                                    f"fork server, {counts['spawn']} spawned")
         for test in sorted(set(harness.SPAWNED_IN)):
             terminalreporter.write_line(f"  spawned in {test}")

@@ -8,12 +8,16 @@ assert_dead() (no process outlives a failure).
 Workers are forked from the pytest process where that is safe (see worker_start_method): a spawned
 worker spends ~4 s of CPU importing torch, and ~3 s more in its first torch DDP constructor (which
 imports torch._dynamo); a forked one inherits both, so a 2-rank run starts in a fraction of a second
-instead of ~6 s on this 2-core machine. MINIDP_TEST_SPAWN=1 in the environment spawns them always.
+instead of ~6 s on this 2-core machine. Where forking is not safe (this process runs threads), they
+come from multiprocessing's fork server instead: a clean single-threaded process, started once, that
+imported torch, torch._dynamo and minidp and forks each worker from itself. MINIDP_TEST_SPAWN=1 in the
+environment spawns them always.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
+import multiprocessing
 import os
 import random
 import sys
@@ -28,6 +32,9 @@ import minidp
 
 _launch_module = importlib.import_module("minidp.launch")  # the module (minidp.launch is the function)
 _IMPORTED_BY = os.getpid()
+_LAUNCH_VARS = tuple(_launch_module.worker_env(0, 1, 1, 0, "127.0.0.1", 1))  # what launch() sets in a worker
+# What the fork server imports once, before it forks any worker (it starts at its first use).
+multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch._dynamo", "minidp", "harness"])
 # This process's threads before any test ran (the main thread, numpy's OpenBLAS pool).
 _THREADS_AT_IMPORT = frozenset(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else frozenset()
 
@@ -60,12 +67,14 @@ def worker_start_method() -> str:
     return "fork" if no_new_threads() else "spawn"
 
 
-START_METHODS: dict[str, int] = {"fork": 0, "spawn": 0}  # launches so far, by start method (conftest reports)
+START_METHODS: dict[str, int] = {"fork": 0, "forkserver": 0, "spawn": 0}  # launches so far (conftest reports)
 SPAWNED_IN: list[str] = []  # the tests whose workers were spawned (each a fork's saving lost)
 
 
-def _pick_start_method(_fn) -> str:
+def _pick_start_method(fn) -> str:
     method = worker_start_method()
+    if method == "spawn" and fn is _entry and not os.environ.get("MINIDP_TEST_SPAWN") and not torch.cuda.is_available():
+        method = "forkserver"  # run_ranks' workers: _entry brings this process's environment along
     START_METHODS[method] += 1
     if method == "spawn":
         SPAWNED_IN.append(os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0])
@@ -85,8 +94,13 @@ def workers_forked():
         yield
 
 
-def _entry(local_rank, fn, args, out_dir, init_kwargs):
+def _entry(local_rank, fn, args, out_dir, init_kwargs, environ):
     torch.set_num_threads(1)  # 2 cores on this machine: one thread per rank
+    # The test's environment, as at the launch, with the launch's variables (RANK, MASTER_PORT, ...): a
+    # worker from the fork server would otherwise keep the one the server started with.
+    launch_vars = {k: os.environ[k] for k in _LAUNCH_VARS if k in os.environ}
+    os.environ.clear()
+    os.environ.update(environ, **launch_vars)
     if _IMPORTED_BY != os.getpid():
         # Forked (a spawned worker imported this module itself): draw as a fresh process would, every
         # rank its own unseeded state, not a copy of the parent's.
@@ -110,7 +124,7 @@ def run_ranks(fn, world_size, *args, timeout=120.0, init=True, collective_timeou
     """
     init_kwargs = {"timeout": collective_timeout} if init else None
     with tempfile.TemporaryDirectory(prefix="minidp-test-") as out_dir, workers_forked():
-        minidp.launch(_entry, world_size, args=(fn, args, out_dir, init_kwargs), timeout=timeout)
+        minidp.launch(_entry, world_size, args=(fn, args, out_dir, init_kwargs, dict(os.environ)), timeout=timeout)
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 
 

@@ -322,6 +322,7 @@ def _eager_step_imports():
     return "torch._dynamo" in sys.modules
 
 
-def test_eager_training_does_not_import_dynamo():
+def test_eager_training_does_not_import_dynamo(monkeypatch):
     """torch._dynamo costs seconds to import: minidp touches it only once a compiled module shows up."""
+    monkeypatch.setenv("MINIDP_TEST_SPAWN", "1")  # a fresh interpreter: this process and the fork server have it
     assert run_ranks(_eager_step_imports, 1) == [False]
