@@ -68,7 +68,10 @@ def test_start_method_choice_and_refusal_with_cuda_initialised(monkeypatch):
     def fn(local_rank):
         return None
 
-    assert start_method(fn) == "spawn"  # pytest's __main__ is a real file
+    script_main = types.ModuleType("__main__")  # as under `python script.py`: a real file to import again
+    script_main.__file__ = __file__
+    monkeypatch.setitem(sys.modules, "__main__", script_main)
+    assert start_method(fn) == "spawn"
     notebook_main = types.ModuleType("__main__")  # as in Jupyter: no __file__, no __spec__
     monkeypatch.setitem(sys.modules, "__main__", notebook_main)
     assert start_method(fn) == "fork"

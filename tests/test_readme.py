@@ -60,7 +60,7 @@ import common  # noqa: E402 - examples/common.py: the synthetic image folders
 README = os.path.join(ROOT, "README.md")
 EXAMPLES_README = os.path.join(ROOT, "examples", "README.md")  # holds the DALI loader snippet
 TIMEOUT_S = 240
-EXPECTED = {"bash": 11, "python": 4, "diff": 2}  # what README.md holds; a change must update this file
+EXPECTED = {"bash": 14, "python": 4, "diff": 2}  # what README.md holds; a change must update this file
 EXPECTED_EXAMPLES = {"python": 1}  # what examples/README.md holds
 SKIPPED_MAKE = {  # target: (why it is not run, what `make -n` must show)
     "test": ("`make test` runs the whole suite, this file included: it would recurse", "-m pytest"),
@@ -145,7 +145,9 @@ class Workspace:
 
     def __init__(self, tmp, blocks: List[Block]):
         self.tmp = tmp
-        self.env = clean_env(TMPDIR=str(tmp / "tmp"))  # the examples' synthetic data goes here
+        # TMPDIR: the examples' synthetic data goes here; HF_HOME: Accelerate reads no user config and writes
+        # nothing under $HOME.
+        self.env = clean_env(TMPDIR=str(tmp / "tmp"), HF_HOME=str(tmp / "hf"))
         os.makedirs(self.env["TMPDIR"])
         self.imagenette = tmp / "imagenette"  # `--data ~/imagenette`: train/ and val/
         common.write_synthetic(str(self.imagenette), 6, 2, size=16, seed=0)
@@ -186,6 +188,7 @@ def small_form(cmd: str, ws: Workspace, node_rank: int = 0, port: int = 0) -> st
         out = out.replace("--input-shape 3,32,32 --batch 32", "--input-shape 3,16,16 --batch 2")
         out = out.replace("--out explain", f"--out {ws.tmp / 'explain'}")
     out = out.replace("--plot scaling.png", f"--plot {ws.tmp / 'scaling.png'}")
+    out = out.replace("--plot pays_off.png", f"--plot {ws.tmp / 'pays_off.png'}")
     return out + " --tiny" if TRAINING_EXAMPLE.search(out) else out
 
 
@@ -263,14 +266,52 @@ def check_train_lm(cmd: str) -> Callable[[str], None]:
     return check
 
 
+def check_framework(cmd: str) -> Callable[[str], None]:
+    """The Lightning and Accelerate examples: 2 processes on minidp's wrapper, the fingerprint printed once."""
+    def check(output: str) -> None:
+        if "lightning_minidp.py" in cmd:
+            lines = re.findall(r"^lightning_minidp\.py: strategy=minidp, 2 processes, \d+ steps, loss [\d.]+, "
+                               r"weights [0-9a-f]{16}$", output, re.M)
+        else:
+            lines = re.findall(r"^accelerate_minidp\.py: engine=minidp, minidp\.DistributedDataParallel on 2 "
+                               r"processes, unwrap_model\(\) is the model: True, .* weights [0-9a-f]{16}$",
+                               output, re.M)
+        assert len(lines) == 1, output  # rank 0 only
+    return check
+
+
+STUDY_ROW = re.compile(r"^fastest +(.+)$", re.M)
+
+
+def check_study(cmd: str) -> Callable[[str], None]:
+    """--study: a table per link speed, each method a row; what the README says of it holds."""
+    def check(output: str) -> None:
+        speeds = re.findall(r"^(\d+) Gb/s: time to target / exact's", output, re.M)
+        assert speeds == ["10", "25", "100", "400"], output
+        methods = re.search(r'--methods "([^"]+)"', cmd).group(1).split(",")
+        for method in ["exact", *methods]:
+            assert len(re.findall(rf"^{re.escape(method)} +\d", output, re.M)) == 4, (method, output)
+        # The README: below 512 ranks nothing beats exact but FP16 on 10 Gb/s; at 1,024 a compressor wins.
+        fastest = [re.findall(r"(\S+(?: \S+)?) x([\d.]+)", row) for row in STUDY_ROW.findall(output)]
+        assert len(fastest) == 4 and all(len(row) == 8 for row in fastest), output
+        for speed, row in zip(speeds, fastest):
+            assert all(name in ("exact", "FP16" if speed == "10" else "exact") for name, _ in row[:6]), row
+        assert all(row[7][0] != "exact" for row in fastest[1:]), fastest
+    return check
+
+
 def checker(cmd: str, shown: str) -> Callable[[str], None]:
     """What a README command must print; `shown` is the ```text block that follows it in the README, if any."""
     if "examples/minimal.py" in cmd:
         return check_minimal(cmd)
     if cmd.startswith("python -m minidp.explain "):
         return check_explain(shown)
+    if cmd.startswith("python -m minidp.simulate --study "):
+        return check_study(cmd)
     if cmd.startswith("python -m minidp.simulate "):
         return check_simulate(shown)
+    if re.search(r"examples/(lightning|accelerate)_minidp\.py", cmd):
+        return check_framework(cmd)
     if "examples/train_lm.py" in cmd:
         return check_train_lm(cmd)
     return check_example(cmd)
