@@ -43,7 +43,7 @@ class PeriodicAverager:
         self.model, self.steps, self.bytes_sent, self.bytes_dense = model, 0, 0, 0
         self.group = process_group or getattr(model, "process_group", None) or dist.group.WORLD
         if hasattr(model, "register_comm_hook"):
-            model.register_comm_hook(self, _local_sgd_hook)
+            model.register_comm_hook(self, local_steps_hook)
 
     def step(self) -> bool:
         """Call after each optimizer step; averages the parameters when it is time. Returns whether it did."""
@@ -78,10 +78,14 @@ class PeriodicAverager:
         self.steps, self.bytes_sent, self.bytes_dense = state["steps"], state["bytes_sent"], state["bytes_dense"]
 
 
-def _local_sgd_hook(averager, bucket):  # no annotations: torch DDP accepts only its exact ones, or none
-    """Average gradients during the warm-up (torch's allreduce_hook arithmetic); afterwards keep them local."""
+def local_steps_hook(averager, bucket):  # no annotations: torch DDP accepts only its exact ones, or none
+    """Average gradients during the warm-up (torch's allreduce_hook arithmetic); afterwards keep them local.
+
+    The hook of every method that trains locally between syncs (PeriodicAverager, DiLoCo): `averager` has
+    steps, warmup_steps, group and the byte counters.
+    """
     buffer = bucket.buffer()
-    averager.bytes_dense += buffer.numel() * buffer.element_size()
+    averager.bytes_dense += buffer.numel() * buffer.element_size()  # what exact averaging would have sent
     if averager.steps < averager.warmup_steps:
         averager.bytes_sent += buffer.numel() * buffer.element_size()
         buffer.div_(dist.get_world_size(averager.group))

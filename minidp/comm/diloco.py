@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..validate import check_int
+from .averaging import local_steps_hook
 
 
 class DiLoCo:
@@ -76,7 +77,7 @@ class DiLoCo:
             kinds.setdefault((p.dtype, p.device), []).append(i)
         self._kinds = list(kinds.values())
         if hasattr(model, "register_comm_hook"):
-            model.register_comm_hook(self, _diloco_hook)
+            model.register_comm_hook(self, local_steps_hook)
         if self.warmup_steps == 0:
             self._start_local()  # ranks meet here (a broadcast)
 
@@ -178,17 +179,3 @@ def _check_outer_params(optimizer: torch.optim.Optimizer, every: list, trainable
                          f"parameters: it holds {foreign} tensor(s) not of the model and misses {missing} trainable "
                          "one(s); build it as e.g. torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, "
                          "nesterov=True)")
-
-
-def _diloco_hook(diloco, bucket):  # no annotations: torch DDP accepts only its exact ones, or none
-    """Average gradients during the warm-up (torch's allreduce_hook arithmetic); afterwards keep them local."""
-    buffer = bucket.buffer()
-    diloco.bytes_dense += buffer.numel() * buffer.element_size()  # what exact averaging would have sent
-    if diloco.steps < diloco.warmup_steps:
-        diloco.bytes_sent += buffer.numel() * buffer.element_size()
-        buffer.div_(dist.get_world_size(diloco.group))
-        fut = dist.all_reduce(buffer, group=diloco.group, async_op=True).get_future()  # ranks meet here
-        return fut.then(lambda _: buffer)
-    fut = torch.futures.Future()
-    fut.set_result(buffer)
-    return fut
