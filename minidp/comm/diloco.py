@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..engine.collectives import broadcast_coalesced
 from ..validate import check_int
 from .averaging import local_steps_hook
 
@@ -130,13 +131,8 @@ class DiLoCo:
     @torch.no_grad()
     def _start_local(self) -> None:
         """Broadcast rank 0's parameters into every rank and keep them as the global parameters."""
-        for indices in self._kinds:
-            flat = torch.cat([self.params[i].detach().reshape(-1) for i in indices])
-            dist.broadcast(flat, group=self.group, group_src=0)  # ranks meet here: rank 0's parameters
-            self.bytes_sent += flat.numel() * flat.element_size()
-            pieces = flat.split([self.params[i].numel() for i in indices])
-            torch._foreach_copy_([self.params[i] for i in indices],
-                                 [piece.view_as(self.params[i]) for i, piece in zip(indices, pieces)])
+        broadcast_coalesced(self.params, self.group)  # ranks meet here: rank 0's parameters, as DDP's constructor
+        self.bytes_sent += sum(p.numel() * p.element_size() for p in self.params)
         self.global_params = [p.detach().clone() for p in self.params]
 
     def stats(self) -> dict:
