@@ -1,48 +1,41 @@
-"""minidp: a from-scratch data-parallel training engine for PyTorch."""
-import sys
+"""minidp: a from-scratch data-parallel training engine for PyTorch.
 
-from . import comm, data, lr, optim
-from .checkpoint import load_checkpoint, save_checkpoint
-from .data.sampler import DistributedSampler
-from .engine import hooks
-from .engine.ddp import DDP, DistributedDataParallel
-from .engine.timeline import Timeline
-from .env import DistEnv, init, shutdown
+The public names below are imported on first use (PEP 562), so that `python -m minidp.run`, the
+launcher, starts without importing torch: torch costs seconds of CPU per process, and a launcher
+only starts, watches and restarts workers. `import minidp; minidp.DDP` works as always.
+"""
+import importlib
+
+# Imported now: the function launch() has the name of its module, minidp/launch.py, and an import of
+# that module (`from minidp.launch import free_port`) would otherwise leave the module at minidp.launch.
+# (It imports no torch.)
 from .launch import WorkerFailed, launch
-from .metrics import all_reduce_sums
-from .ranks import barrier, get_logger, get_rank, get_world_size, is_main, local_rank_zero_first, print0
-from .syncbn import SyncBatchNorm, convert_sync_batchnorm
 
-# `minidp.hooks` is public (README); its code lives in the engine. Register the alias so that
-# `import minidp.hooks` and `from minidp.hooks import GradBucket` work as well as the attribute.
-sys.modules[__name__ + ".hooks"] = hooks
-
-__all__ = [
-    "DDP",
-    "DistEnv",
-    "DistributedDataParallel",
-    "DistributedSampler",
-    "SyncBatchNorm",
-    "Timeline",
-    "WorkerFailed",
-    "all_reduce_sums",
-    "barrier",
-    "comm",
-    "convert_sync_batchnorm",
-    "data",
-    "get_logger",
-    "get_rank",
-    "get_world_size",
-    "hooks",
-    "init",
-    "is_main",
-    "launch",
-    "load_checkpoint",
-    "local_rank_zero_first",
-    "lr",
-    "optim",
-    "print0",
-    "save_checkpoint",
-    "shutdown",
-]
+# public name -> the module that defines it (relative to this package)
+_PUBLIC = {
+    "comm": ".comm", "data": ".data", "lr": ".lr", "optim": ".optim", "hooks": ".hooks",
+    "load_checkpoint": ".checkpoint", "save_checkpoint": ".checkpoint",
+    "DistributedSampler": ".data.sampler",
+    "DDP": ".engine.ddp", "DistributedDataParallel": ".engine.ddp",
+    "Timeline": ".engine.timeline",
+    "DistEnv": ".env", "init": ".env", "shutdown": ".env",
+    "all_reduce_sums": ".metrics",
+    "barrier": ".ranks", "get_logger": ".ranks", "get_rank": ".ranks", "get_world_size": ".ranks",
+    "is_main": ".ranks", "local_rank_zero_first": ".ranks", "print0": ".ranks",
+    "SyncBatchNorm": ".syncbn", "convert_sync_batchnorm": ".syncbn",
+}
+__all__ = sorted([*_PUBLIC, "WorkerFailed", "launch"])
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'minidp' has no attribute {name!r}")
+    module = importlib.import_module(_PUBLIC[name], __name__)
+    value = module if _PUBLIC[name].rpartition(".")[2] == name else getattr(module, name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -1,10 +1,9 @@
 """Drawings for studying a step: recorded timelines (one panel per rank) and scaling curves.
 
-matplotlib is imported inside the functions: recording a timeline never needs it.
+matplotlib is imported inside the functions: recording a timeline never needs it. The timeline's
+span helpers (which import torch) too: `python -m minidp.simulate --plot` draws without torch.
 """
 from __future__ import annotations
-
-from minidp.engine.timeline import bucket_spans, step_spans
 
 
 def plot_timelines(path: str, events_by_rank: dict, title: str = "") -> None:
@@ -13,6 +12,7 @@ def plot_timelines(path: str, events_by_rank: dict, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from minidp.engine.timeline import bucket_spans
     t0 = min((e[1] for events in events_by_rank.values() for e in events), default=0)
     n_buckets = max((s["bucket"] + 1 for ev in events_by_rank.values() for s in bucket_spans(ev)), default=0)
     lanes = 2 + n_buckets
@@ -38,6 +38,7 @@ def _bucket_colors(plt, n_buckets):
 
 def _draw_rank(ax, events, t0, n_buckets, color) -> None:
     """Lanes, top to bottom: step phases, gradients ready (coloured by bucket), bucket 0, 1, ..."""
+    from minidp.engine.timeline import bucket_spans, step_spans
     ms = lambda ns: (ns - t0) / 1e6  # noqa: E731 - a one-line unit conversion
     phase_colors = {"forward": "#c7e9c0", "backward": "#fdd0a2", "optimizer": "#dadaeb"}
     for name, start, end in step_spans(events):
