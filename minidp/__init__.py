@@ -9,7 +9,8 @@ import importlib
 # Imported now: the function launch() has the name of its module, minidp/launch.py, and an import of
 # that module (`from minidp.launch import free_port`) would otherwise leave the module at minidp.launch.
 # (It imports no torch.)
-from .launch import WorkerFailed, launch
+from .launch import WorkerFailed as WorkerFailed
+from .launch import launch as launch
 
 # public name -> the module that defines it (relative to this package)
 _PUBLIC = {

@@ -23,8 +23,9 @@ from .validate import check_int, check_number
 from .worker import _spawned_worker, die_with_parent, exit_now, read_error, worker_env, write_error
 
 __all__ = [
-    "GRACE_S", "POLL_S", "Worker", "WorkerFailed", "check_topology", "die_with_parent", "exit_now", "free_port",
-    "launch", "read_error", "start_method", "supervise", "terminate", "worker_env", "write_error",
+    "GRACE_S", "POLL_S", "START_METHODS", "Worker", "WorkerFailed", "check_topology", "chosen_start_method",
+    "die_with_parent", "exit_now", "free_port", "launch", "read_error", "start_method", "supervise", "terminate",
+    "worker_env", "write_error",
 ]
 
 
@@ -60,6 +61,13 @@ def _check_launch_args(fn, args, master_port, timeout) -> None:
         check_number("timeout", timeout, positive=True)  # seconds
 
 
+def _main_importable() -> bool:
+    """Whether a spawned child can import the parent's `__main__` again (a script or `python -m`)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return bool(getattr(getattr(main, "__spec__", None), "name", None) or (path and os.path.isfile(path)))
+
+
 def start_method(fn: Callable) -> str:
     """"spawn" when the children can import `__main__`, else "fork" (notebooks, `python -`, `python -c`).
 
@@ -69,7 +77,7 @@ def start_method(fn: Callable) -> str:
     """
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    if getattr(getattr(main, "__spec__", None), "name", None) or (path and os.path.isfile(path)):
+    if _main_importable():
         return "spawn"  # `python script.py` or `python -m module`: the child imports it again
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
@@ -84,6 +92,32 @@ def start_method(fn: Callable) -> str:
         "module and import it from there, or run a script with python -m minidp.run.")
 
 
+START_METHODS = ("spawn", "fork", "forkserver")
+
+
+def chosen_start_method(fn: Callable, requested: Optional[str]) -> str:
+    """The start method launch() uses: `requested`, else $MINIDP_START_METHOD, else start_method(fn).
+
+    An explicit "fork" is refused once this process has initialised CUDA (the children could not use
+    it); where it is allowed it saves each worker its imports (torch: seconds of CPU per process).
+    """
+    where = "start_method" if requested is not None else "MINIDP_START_METHOD"
+    requested = requested if requested is not None else (os.environ.get("MINIDP_START_METHOD") or None)
+    if requested is None:
+        return start_method(fn)
+    if requested not in START_METHODS:
+        raise ValueError(f"{where}={requested!r} must be one of {', '.join(START_METHODS)}")
+    torch = sys.modules.get("torch")
+    if requested != "fork" and getattr(fn, "__module__", None) == "__main__" and not _main_importable():
+        raise ValueError(f"{where}={requested!r}: {getattr(fn, '__qualname__', fn)!r} is defined in a __main__ "
+                         "that is not a file (a notebook, python - or -c), so a new interpreter cannot import it; "
+                         "use 'fork', or put fn in a .py module")
+    if requested == "fork" and torch is not None and torch.cuda.is_initialized():
+        raise RuntimeError(f"{where}='fork': CUDA is already initialised in this process, and a forked worker "
+                           "cannot use it; use 'spawn' (the default for a script) or launch before touching CUDA")
+    return requested
+
+
 def launch(
     fn: Callable,
     nprocs: int,
@@ -93,6 +127,7 @@ def launch(
     master_addr: Optional[str] = "127.0.0.1",
     master_port: Optional[int] = None,
     timeout: Optional[float] = None,
+    start_method: Optional[str] = None,
 ) -> None:
     """Run `fn(local_rank, *args)` in `nprocs` new processes on this node, like mp.spawn.
 
@@ -108,6 +143,11 @@ def launch(
         master_addr: address of node 0, where rank 0 hosts the rendezvous. Default "127.0.0.1".
         master_port: its port. Default: a free port on a single node; required with nnodes > 1.
         timeout: seconds after which the run is stopped with TimeoutError. Default: none.
+        start_method: "spawn", "fork" or "forkserver", as torch.multiprocessing.start_processes takes.
+            Default: $MINIDP_START_METHOD if set, else "spawn" from a script and "fork" where the
+            children could not import `__main__` (see start_method()). "fork" starts a worker in a
+            fraction of a second instead of seconds of imports; it needs a parent that has not
+            touched CUDA, and the workers inherit the parent's state.
 
     Raises:
         WorkerFailed: naming the first rank that failed, with its traceback. "First" is by the time
@@ -126,7 +166,7 @@ def launch(
         if nnodes > 1:
             raise ValueError(f"master_port=None with nnodes={nnodes}: every node must be given the same port")
         master_port = free_port(master_addr)
-    method = start_method(fn)
+    method = chosen_start_method(fn, start_method)
     context = multiprocessing.get_context(method)
     with tempfile.TemporaryDirectory(prefix="minidp-launch-") as error_dir:
         workers = []

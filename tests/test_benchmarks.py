@@ -25,15 +25,18 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
 import compare_ddp  # noqa: E402 - benchmarks/ is not a package
 from plot_timeline import plot_timelines  # noqa: E402 - benchmarks/ holds the drawing
-from processes import Command  # noqa: E402
+from processes import Command, clean_env  # noqa: E402
 
 WORKLOADS = ("mlp", "resnet18", "deep300")
+# The benchmark scripts' minidp.launch forks its workers (no second import of torch in each): what is tested
+# here is what they measure and write; the spawn path runs in test_readme.py and test_launch.py.
+FORKED = clean_env(MINIDP_START_METHOD="fork")
 PNG_MAGIC = b"\x89PNG"
 
 
 def _run_script(name, *args, timeout=240):
     """Run benchmarks/<name> with this interpreter; fail with its output if it fails."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", name), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", name), *args], cwd=ROOT, env=FORKED,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -56,7 +59,7 @@ def timeline_started(tmp_path_factory):
     """`python benchmarks/timeline.py --quick ...`, started in the background; yields (Command, stem)."""
     out = tmp_path_factory.mktemp("timeline")
     cmd = Command([sys.executable, os.path.join(ROOT, "benchmarks", "timeline.py"), "--quick", "--out", str(out),
-                   "--bucket-cap-mb", "0.01", "--steps", "3"], ROOT, timeout=240)
+                   "--bucket-cap-mb", "0.01", "--steps", "3"], ROOT, FORKED, timeout=240)
     yield cmd, out / "results" / "timeline_mlp_cpu"
     cmd.wait()  # kills its process tree if it still runs (a test failed before waiting for it)
 

@@ -25,6 +25,7 @@ LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RA
 def _run(*cmd, timeout=240):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env["PYTHONPATH"] = ROOT
+    env["MINIDP_START_METHOD"] = "fork"  # the tools' workers fork (what they check and write is tested, not spawn)
     return subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -255,9 +255,12 @@ def _world_size_2_worker():
     return {"parity": _parity_worker(), "overlap": _overlap_worker()}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def world_size_2():
-    """Both workers' results from one launch (starting 2 processes costs more than the cases)."""
+    """Both workers' results from one launch (starting 2 processes costs more than the cases).
+
+    Autouse: it starts before this file's first test, while this process runs no compile threads yet,
+    so the harness can fork the workers (no fork server to start)."""
     return run_ranks(_world_size_2_worker, 2, timeout=300)
 
 

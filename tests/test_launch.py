@@ -152,10 +152,30 @@ def test_cli_failure_exits_nonzero_naming_rank(cli_run):
     (dict(nprocs=2, timeout="10"), TypeError, r"timeout='10' must be a number"),
     (dict(nprocs=2, master_port=70000), ValueError, r"master_port=70000 must be <= 65535"),
     (dict(nprocs=2, master_port="29500"), TypeError, r"master_port='29500' must be an int"),
+    (dict(nprocs=2, start_method="frok"), ValueError, r"start_method='frok' must be one of spawn, fork, forkserver"),
 ])
 def test_launch_bad_input(kwargs, error, match):
     with pytest.raises(error, match=match):
         minidp.launch(**{"fn": print, **kwargs})
+
+
+_SET_AT_RUN_TIME = {"value": "as imported"}
+
+
+def _report_what_the_worker_sees(local_rank, path):
+    with open(path, "w") as f:
+        f.write(_SET_AT_RUN_TIME["value"])
+
+
+def test_start_method_from_the_environment_is_used_and_checked(tmp_path, monkeypatch):
+    # A forked worker sees what this process changed after importing the module; a spawned one imports it again.
+    monkeypatch.setitem(_SET_AT_RUN_TIME, "value", "changed in the parent")
+    monkeypatch.setenv("MINIDP_START_METHOD", "fork")
+    minidp.launch(_report_what_the_worker_sees, 1, args=(str(tmp_path / "seen"),))
+    assert (tmp_path / "seen").read_text() == "changed in the parent"
+    monkeypatch.setenv("MINIDP_START_METHOD", "threads")
+    with pytest.raises(ValueError, match=r"MINIDP_START_METHOD='threads' must be one of spawn, fork, forkserver"):
+        minidp.launch(_report_what_the_worker_sees, 1, args=(str(tmp_path / "seen"),))
 
 
 @pytest.mark.filterwarnings("ignore:'minidp.run' found in sys.modules")

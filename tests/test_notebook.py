@@ -80,6 +80,16 @@ def test_start_method_choice_and_refusal_with_cuda_initialised(monkeypatch):
     fn.__module__ = "__main__"
     with pytest.raises(RuntimeError, match="CUDA is already initialised.*restart the kernel"):
         minidp.launch(fn, nprocs=2)
+    # An explicit start method: the argument, else MINIDP_START_METHOD; each refused where it cannot work.
+    with pytest.raises(RuntimeError, match="start_method='fork': CUDA is already initialised in this process"):
+        minidp.launch(json.dumps, nprocs=2, start_method="fork")
+    monkeypatch.setenv("MINIDP_START_METHOD", "fork")
+    with pytest.raises(RuntimeError, match="MINIDP_START_METHOD='fork': CUDA is already initialised"):
+        minidp.launch(json.dumps, nprocs=2)
+    with pytest.raises(ValueError, match=r"start_method='spawn': 'test_start_method_choice_and_refusal_with_cuda_"
+                                         r"initialised.<locals>.fn' is defined in a __main__ that is not a file"):
+        minidp.launch(fn, nprocs=2, start_method="spawn")  # the argument wins over the environment
+    monkeypatch.delenv("MINIDP_START_METHOD")
     notebook_main.__file__ = "<stdin>"  # python -: spawn cannot work, whatever fn is
     with pytest.raises(RuntimeError, match=r"__main__ is not a file \(<stdin>\)"):
         minidp.launch(json.dumps, nprocs=2)

@@ -8,7 +8,7 @@ its own port and a hard timeout that kills its process tree), and each test wait
   torchrun    torchrun --max-restarts 1: rank 1 SIGKILLs itself at step 20 of 40, attempt 0 only
   run         python -m minidp.run --max-restarts 1, the same
   stuck_*     tests/scripts/stuck_rank.py: rank 1 sleeps at step 5 under minidp.run and torchrun
-              (init(timeout=15), the issue's), and under minidp.launch (timeout=5)
+              (init(timeout=15), the issue's), and under minidp.launch (timeout=5, ranks forked)
   gives_up    python -m minidp.run --max-restarts 1 with a rank that fails every attempt
 """
 import concurrent.futures
@@ -75,7 +75,10 @@ def runs(tmp_path_factory):
     """Start every scenario now; {name: future of (Result, wall time at exit, its output folder)}."""
     tmp = tmp_path_factory.mktemp("restarts")
     env = clean_env(CUDA_VISIBLE_DEVICES="")  # CPU and gloo, as tests/conftest.py has it
-    commands = {name: Command(cmd, ROOT, env, timeout=TIMEOUT_S) for name, cmd in _scenarios(tmp).items()}
+    # minidp.launch's ranks fork (their watchdog is what is tested; spawn runs in test_readme.py and test_launch.py)
+    forked = {**env, "MINIDP_START_METHOD": "fork"}
+    commands = {name: Command(cmd, ROOT, forked if name == "stuck_launch" else env, timeout=TIMEOUT_S)
+                for name, cmd in _scenarios(tmp).items()}
     # Before the pool starts its threads: with none running, the harness forks the reference's ranks.
     reference = run_ranks(_uninterrupted, 2, STEPS)[0]
     pool = concurrent.futures.ThreadPoolExecutor(len(commands))

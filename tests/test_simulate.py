@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import minidp
-from harness import run_ranks
+from harness import run_ranks, workers_forked
 from minidp.study.network import Link, Network, allreduce_time, fit_ring, measure_allreduce
 from minidp.study.simulate import MIB, Profile, best_cap, bucket_indices, plan_buckets, scaling, simulate_step
 from models import MLP
@@ -158,7 +158,8 @@ def test_command_line_errors(capsys):
 
 
 def test_measured_sweep_fits_a_link():
-    sweep = measure_allreduce(2, sizes=(4096, 1 << 20, 4 << 20), repeats=3)
+    with workers_forked():  # its 2 ranks forked from this process (the harness's choice), not spawned
+        sweep = measure_allreduce(2, sizes=(4096, 1 << 20, 4 << 20), repeats=3)
     link = fit_ring(sweep, 2)
     assert set(sweep) == {4096, 1 << 20, 4 << 20} and all(t > 0 for t in sweep.values())
     assert link.latency_s >= 0 and math.isfinite(link.bandwidth) and link.bandwidth > 0
