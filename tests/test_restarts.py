@@ -141,6 +141,12 @@ def test_a_stuck_rank_is_named_with_the_line_it_is_stuck_on(runs, launcher, time
     line = next(i for i, text in enumerate(open(STUCK), 1) if "THE STUCK LINE" in text)
     assert f'stuck_rank.py", line {line}, in train' in result.output, result
     assert "time.sleep(300)  # THE STUCK LINE" in result.output, result
+    if launcher == "stuck_torchrun":  # torchrun names the rank that raised (rank 0, above) as the root cause
+        root_cause = result.output.partition("Root Cause (first observed failure):")[2]
+        assert re.search(r"rank\s*: 0 \(local_rank: 0\)\s+exitcode\s*: 1 ", root_cause), result
+    for rank in (0, 1):  # the launcher left no rank behind, the sleeping one included
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(open(folder / f"{rank}.pid").read()), 0)
 
 
 def test_minidp_run_gives_up_after_max_restarts_with_the_first_failure(runs):

@@ -5,10 +5,11 @@ torchrun's agent hosts a TCPStore on MASTER_PORT and tells the workers so
 rendezvous does, instead of starting a second server on the same port. Each launcher form runs once
 (every torchrun start costs seconds on 2 cores), so the forms share the runs:
 
-  torchrun --nproc-per-node 2 (static rendezvous)   a failing rank (tests/scripts/torchrun_check.py)
   python -m torch.distributed.run --standalone       the DALI example, with an empty validation batch
   --rdzv-backend c10d --rdzv-endpoint, two "nodes"   tests/scripts/torchrun_check.py, world size 4
 
+torchrun's static rendezvous (--master-port) runs in test_restarts.py: a restarted run, and a rank that
+raises (torchrun names it as the root cause, and no worker is left behind).
 The runs start in the background from a module fixture, and each test waits for its own. The
 torchvision example runs under torchrun in test_examples.py (torch's DDP there, compared with minidp).
 """
@@ -58,14 +59,13 @@ def _dali_example(tmp):
     return (lambda: [Command(cmd, ROOT, clean_env(CUDA_VISIBLE_DEVICES=""), timeout=TIMEOUT_S)]), tmp / "dali.json"
 
 
-def _check(tmp, name, *launch_options, nodes=1, fail_rank=None):
+def _check(tmp, name, *launch_options, nodes=1):
     out_dir = tmp / name
     out_dir.mkdir()
-    extra = [] if fail_rank is None else ["--fail-rank", str(fail_rank)]
 
     def start():  # the "nodes" are torchrun processes on this machine, started together
         node_rank = (lambda n: ["--node-rank", str(n)]) if nodes > 1 else (lambda n: [])
-        return [Command([*TORCHRUN, *launch_options, *node_rank(n), CHECK, str(out_dir), *extra],
+        return [Command([*TORCHRUN, *launch_options, *node_rank(n), CHECK, str(out_dir)],
                         ROOT, timeout=TIMEOUT_S) for n in range(nodes)]
     return start, out_dir
 
@@ -78,8 +78,6 @@ def runs(tmp_path_factory):
     groups = {
         "nodes": _check(tmp, "nodes", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                         "--rdzv-endpoint", endpoint, "--rdzv-id", "minidp-test", nodes=2),
-        # Static rendezvous on a free port (torchrun's default, 29500, may be another run's on this machine).
-        "fail": _check(tmp, "fail", "--nproc-per-node", "2", "--master-port", str(free_port()), fail_rank=1),
     }
     if HAVE_DALI:
         groups["dali"] = _dali_example(tmp)
@@ -132,27 +130,6 @@ def test_two_nodes_with_c10d_rendezvous_pin_devices_and_go_local_rank_zero_first
     zero_done = max(events.index("end node0 local0"), events.index("end node1 local0"))
     others_start = min(events.index("start node0 local1"), events.index("start node1 local1"))
     assert zero_done < others_start, events  # local rank 0 of *every* node first, then the others
-
-
-def test_failing_rank_under_torchrun_is_reported_with_its_message(runs):
-    (result,), out_dir = _wait(runs, "fail")
-    assert result.returncode != 0, result
-    ranks = _check_lines(result.output)  # the static rendezvous worked: both ranks all-reduced
-    assert sorted(ranks) == [0, 1] and all(v["sum"] == 3 and v["world"] == 2 for v in ranks.values()), result
-    events = open(out_dir / "events.log").read().splitlines()
-    assert events == ["start node0 local0", "end node0 local0", "start node0 local1", "end node0 local1"]
-    # torchrun passes the worker's traceback through and names it as the root cause.
-    assert "ValueError: rank 1 fails on purpose after the all-reduce" in result.output, result
-    root_cause = result.output.partition("Root Cause (first observed failure):")[2]
-    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", root_cause), result
-    _assert_dead(out_dir, 2)
-
-
-def _assert_dead(out_dir, n):
-    for r in range(n):
-        pid = int(open(out_dir / f"{r}.pid").read())
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
 
 
 def _cuda():

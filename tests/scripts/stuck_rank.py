@@ -5,7 +5,8 @@
     python tests/scripts/stuck_rank.py OUT_DIR --timeout 5 --launch     # minidp.launch, 2 processes
 
 Rank 1 writes the time of its fault to OUT_DIR/fault (seconds since the epoch) first, so a test can
-tell how long the others took to stop. tests/test_restarts.py runs it.
+tell how long the others took to stop; every rank writes its pid to OUT_DIR/<rank>.pid, so a test can
+tell that the launcher left none behind (the sleeping one included). tests/test_restarts.py runs it.
 """
 import argparse
 import os
@@ -27,6 +28,8 @@ args = parser.parse_args()
 def train(local_rank=None):
     torch.set_num_threads(1)
     env = minidp.init(timeout=args.timeout)
+    with open(os.path.join(args.out_dir, f"{env.rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
     torch.manual_seed(0)
     model = minidp.DDP(torch.nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
