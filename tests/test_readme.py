@@ -7,7 +7,7 @@ The ```python snippet of examples/README.md (the DALI loader, moved there from R
 
 What changes before a README line runs, and nothing else:
   * `python examples/train_*.py` commands get `--tiny` (the training examples' test preset: 3 steps,
-    16 px images); examples/minimal.py runs as written (a few seconds);
+    16 px images); examples/minimal.py runs as written (a few seconds) but for the world size (below);
   * `python -m minidp.explain` runs on 16 px images, 2 per rank (`--input-shape 3,16,16 --batch 2`): the
     bucket layouts it prints do not depend on the input size, so they must equal the README's output;
     its `--out explain` and simulate's `--plot scaling.png` go to a temp folder. `python -m
@@ -15,12 +15,12 @@ What changes before a README line runs, and nothing else:
     be the README's, line for line;
   * world size: a command for two nodes ("on each node") runs twice at once on 127.0.0.1, with
     `--node-rank` 0 and 1, `--nproc-per-node 1` (world size 2), `10.0.0.1` -> 127.0.0.1 and
-    `--master-port 29500` -> a free port. A training example's `--nproc-per-node N` becomes 1:
-    test_launch.py, test_torchrun.py and test_examples.py (torch's DDP with --sync-bn under torchrun,
-    compared with minidp) run these launcher shapes at world size 2 already, and each process costs
-    seconds of this 2-core machine. A single-node torchrun command gets a free port through torchrun's
-    PET_MASTER_PORT (its text unchanged): items run two at a time, and torchrun's default port is the
-    same for all;
+    `--master-port 29500` -> a free port. On one node, a training example's or examples/minimal.py's
+    `--nproc-per-node N` becomes 1: test_launch.py, test_restarts.py, test_torchrun.py and
+    test_examples.py (torch's DDP with --sync-bn under torchrun, compared with minidp) run these launcher
+    shapes at world size 2 already, and each process costs seconds of this 2-core machine. A
+    single-node torchrun command gets a free port through torchrun's PET_MASTER_PORT (its text
+    unchanged): items run two at a time, and torchrun's default port is the same for all;
   * the ```diff blocks are applied to tests/scripts/ddp_train.py (a torch DDP script for torchrun on
     GPUs), and the result runs under torchrun at world size 2 as minidp's;
   * `~/imagenette` and "imagenet/train" -> tiny generated image folders; `...` lines -> a line that
@@ -183,7 +183,7 @@ TRAINING_EXAMPLE = re.compile(r"\bexamples/train_\w+\.py\b")  # the examples wit
 def small_form(cmd: str, ws: Workspace, node_rank: int = 0, port: int = 0) -> str:
     """The README command as it runs here (see the module docstring)."""
     out = cmd
-    if "--node-rank" in cmd or TRAINING_EXAMPLE.search(cmd):
+    if "--node-rank" in cmd or TRAINING_EXAMPLE.search(cmd) or "examples/minimal.py" in cmd:
         out = re.sub(r"--nproc-per-node \d+", "--nproc-per-node 1", out)
     if "--node-rank" in cmd:
         out = out.replace("--node-rank 0", f"--node-rank {node_rank}")
@@ -201,7 +201,7 @@ def world(cmd: str) -> int:
     """The world size of the command as small_form runs it."""
     if "--node-rank" in cmd:
         return 2
-    if TRAINING_EXAMPLE.search(cmd):
+    if TRAINING_EXAMPLE.search(cmd) or "examples/minimal.py" in cmd:
         return 1
     nproc = re.search(r"--nproc-per-node (\d+)", cmd)
     return int(nproc.group(1)) if nproc else 1
@@ -614,7 +614,7 @@ def test_parsing_helpers():
         "python -m minidp.run --nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr 127.0.0.1 "
         "--master-port 1234 examples/minimal.py")
     assert small_form("torchrun --nproc-per-node 2 examples/minimal.py", ws) == (
-        "torchrun --nproc-per-node 2 examples/minimal.py")  # as written
+        "torchrun --nproc-per-node 1 examples/minimal.py")
     assert small_form("python examples/train_lm.py --nproc-per-node 2 --bf16", ws) == (
         "python examples/train_lm.py --nproc-per-node 1 --bf16 --tiny")
     assert small_form("python examples/train_dali.py --data ~/imagenette", ws) == (
