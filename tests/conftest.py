@@ -6,7 +6,10 @@ import torch
 
 # The harness (tests/harness.py) is imported as a top-level module, here and in spawned workers.
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 torch.set_num_threads(1)
+
+import background  # noqa: E402 - tests/scripts/background.py: the launches run between tests
 
 # The suite means gloo: on a CUDA machine minidp.init() would otherwise pick NCCL, put CPU tensors
 # through it and seat two ranks on one GPU. Set here, before any test runs, so every child process
@@ -19,6 +22,9 @@ os.environ.setdefault("MINIDP_BACKEND", "gloo")
 # (dynamo's compile leaves the autograd engine's device threads, a DALI pipeline its executor's):
 # their files run last, so every test before them can fork. See pytest_collection_modifyitems.
 LEAVE_THREADS = ("test_compile.py", "test_dali.py")
+# The files whose tests only wait for launches started in the background (tests/scripts/background.py) run
+# after those: while the compiles and DALI's tests leave a core idle, the launches still queued run there.
+LAUNCHES_LAST = ("test_frameworks.py", "test_readme.py", "test_torchrun.py")
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +41,8 @@ def _cpu_children_unless_gpu_test(request, monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name in LEAVE_THREADS)  # stable: file order kept otherwise
+    # stable: file order kept otherwise
+    items.sort(key=lambda item: (item.path.name in LAUNCHES_LAST, item.path.name in LEAVE_THREADS))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
@@ -51,5 +58,17 @@ def pytest_terminal_summary(terminalreporter):
         counts = harness.START_METHODS
         terminalreporter.write_line(f"test workers: {counts['fork']} launches forked, {counts['forkserver']} from the "
                                     f"fork server, {counts['spawn']} spawned")
-        for test in sorted(set(harness.SPAWNED_IN)):
-            terminalreporter.write_line(f"  spawned in {test}")
+        for where in sorted(set(harness.NOT_FORKED_IN)):
+            terminalreporter.write_line(f"  {where}")
+
+
+def pytest_collection_finish(session):
+    background.keep_only({item.path.name for item in session.items})
+
+
+def pytest_runtest_setup(item):
+    background.pump()  # one launch in the background while this test runs
+
+
+def pytest_sessionfinish(session):
+    background.stop_all()

@@ -68,7 +68,7 @@ def worker_start_method() -> str:
 
 
 START_METHODS: dict[str, int] = {"fork": 0, "forkserver": 0, "spawn": 0}  # launches so far (conftest reports)
-SPAWNED_IN: list[str] = []  # the tests whose workers were spawned (each a fork's saving lost)
+NOT_FORKED_IN: list[str] = []  # "<method> in <test>" where the workers were not forked (each a saving lost)
 
 
 def _pick_start_method(fn) -> str:
@@ -76,8 +76,8 @@ def _pick_start_method(fn) -> str:
     if method == "spawn" and fn is _entry and not os.environ.get("MINIDP_TEST_SPAWN") and not torch.cuda.is_available():
         method = "forkserver"  # run_ranks' workers: _entry brings this process's environment along
     START_METHODS[method] += 1
-    if method == "spawn":
-        SPAWNED_IN.append(os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0])
+    if method != "fork":
+        NOT_FORKED_IN.append(f"{method} in {os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}")
     if method == "fork":  # torch DDP's constructor imports torch._dynamo (~3 s): once here, not in every worker
         importlib.import_module("torch._dynamo")
     return method

@@ -25,7 +25,9 @@ LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RA
 def _run(*cmd, timeout=240):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env["PYTHONPATH"] = ROOT
-    env["MINIDP_START_METHOD"] = "fork"  # the tools' workers fork (what they check and write is tested, not spawn)
+    # The tools' workers fork (what they check and write is tested, not spawn), from a parent that ran no
+    # parallel torch op (one thread: a forked child cannot use an OpenMP pool its parent started).
+    env.update(MINIDP_START_METHOD="fork", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -12,7 +12,8 @@ STEPS = 40  # 10 exact steps (the example's start_iter), then 30 TernGrad ones
 
 def test_custom_compressor_example_trains_like_exact_and_counts_its_bytes():
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}  # the example launches its workers
-    env["MINIDP_START_METHOD"] = "fork"  # forked: no second import of torch in each (spawn: test_readme.py)
+    # Forked: no second import of torch in each (spawn: test_readme.py), from a one-thread parent.
+    env.update(MINIDP_START_METHOD="fork", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "examples/custom_hook.py", "--steps", str(STEPS)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr

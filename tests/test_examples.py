@@ -2,15 +2,17 @@
 
 The torchvision example runs with minidp and with torch DDP on the same seed, with SyncBatchNorm and
 LARS, and the two must end bitwise equal; the checkpoint is reloaded into a fresh model and must give
-the accuracy the run reported. torch's DDP runs as a real command under torchrun (2 ranks), in the
-background; minidp's meanwhile through the example's main() in this process, its workers forked from
-it (tests/harness.py; spawned by a real command line: test_readme.py's `python examples/...` runs).
+the accuracy the run reported. torch's DDP runs as a real command under torchrun (2 ranks), started in
+the background at collection (tests/scripts/background.py); minidp's through the example's main() in
+this process, its workers forked from it (tests/harness.py; spawned by a real command line:
+test_readme.py's `python examples/...` runs).
 The DALI example runs under torch.distributed.run in test_torchrun.py, with an empty validation batch.
 A few pure checks of the shared pieces need no process at all.
 """
 import argparse
 import json
 import os
+import pathlib
 import re
 import sys
 
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
 
 import demo  # noqa: E402
 import train_torchvision  # noqa: E402
+from background import folder, prelaunch  # noqa: E402
 from processes import LAUNCH_VARS, VENV_BIN, Command  # noqa: E402
 
 import common  # noqa: E402 - examples/ is not a package
@@ -45,6 +48,22 @@ def _torchrun_ddp(tmp_path, options) -> Command:
     return Command(cmd, ROOT, timeout=240)
 
 
+def _same(out: pathlib.Path) -> list:
+    """The options both runs share: the same data and seed, with SyncBatchNorm, LARS and --amp (bf16 on CPU)."""
+    return ["--synthetic-dir", str(out / "data"), "--sync-bn", "--optimizer", "lars", "--amp"]
+
+
+_DDP_OUT: list = []  # the torchrun run's folder, once it has started
+
+
+def _start_torchrun_ddp():
+    _DDP_OUT.append(pathlib.Path(folder("examples")))
+    return [_torchrun_ddp(_DDP_OUT[0], _same(_DDP_OUT[0]))]
+
+
+TORCHRUN_DDP = prelaunch("test_examples.py: torch DDP under torchrun", _start_torchrun_ddp, module="test_examples.py")
+
+
 def _minidp_in_process(tmp_path, options, monkeypatch) -> dict:
     """The example's main() here, spawning (forking) its 2 workers itself; returns its JSON report."""
     for name in [*LAUNCH_VARS, *(k for k in os.environ if k.startswith(("TORCHELASTIC_", "SLURM_")))]:
@@ -58,17 +77,14 @@ def _minidp_in_process(tmp_path, options, monkeypatch) -> dict:
 
 def test_torchvision_minidp_equals_torch_ddp_under_torchrun(tmp_path, monkeypatch):
     # The same tiny run twice, on the same data and seed, with SyncBatchNorm, LARS and --amp (bfloat16 on CPU).
-    same = ["--synthetic-dir", str(tmp_path / "data"), "--sync-bn", "--optimizer", "lars", "--amp"]
-    torchrun = _torchrun_ddp(tmp_path, same)
-    try:
-        out = _minidp_in_process(tmp_path, same, monkeypatch)
-    finally:
-        result = torchrun.wait()  # (kills it at its timeout)
+    (result,) = TORCHRUN_DDP.results()  # (killed at its timeout)
+    ddp_out = _DDP_OUT[0]
+    out = _minidp_in_process(tmp_path, _same(ddp_out), monkeypatch)
     assert result.returncode == 0, result
     assert "Address already in use" not in result.output  # the workers joined torchrun's store, none started one
     accuracies = ACCURACY.findall(result.output)
     assert len(accuracies) == 1, result  # printed by rank 0 only
-    with open(tmp_path / "ddp.json") as f:
+    with open(ddp_out / "ddp.json") as f:
         ddp = json.load(f)
     assert float(accuracies[0]) == pytest.approx(100 * ddp["history"][0]["val_accuracy"], abs=0.01)
     assert out["engine"] == "minidp" and out["world_size"] == 2 and out["steps"] == common.TINY["max_steps"]
@@ -85,7 +101,7 @@ def test_torchvision_minidp_equals_torch_ddp_under_torchrun(tmp_path, monkeypatc
     assert {"sampler", "args", "metrics"} <= set(ckpt["extra"]) and ckpt["optimizer"] is not None
     assert ckpt["extra"]["sampler"]["consumed"] == 3 * 4 and ckpt["scheduler"]["last_epoch"] == 3
     # Rank 0's weights and statistics, evaluated in one process, give the accuracy the 2 ranks reported.
-    (root,) = [e.path for e in os.scandir(tmp_path / "data") if e.name.startswith("minidp-synthetic-")]
+    (root,) = [e.path for e in os.scandir(ddp_out / "data") if e.name.startswith("minidp-synthetic-")]
     _, val_set = train_torchvision.image_folders(root, common.TINY["image_size"])
     sums = common.evaluate(model, DataLoader(val_set, batch_size=7), torch.device("cpu"))
     assert sums["count"] == 20 and abs(sums["correct"] - round(20 * record["val_accuracy"])) <= 1

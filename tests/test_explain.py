@@ -12,10 +12,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _explain(tmp_path, *argv):
-    # The ranks fork (MINIDP_START_METHOD): the README's explain command, in test_readme.py, spawns them.
+    # The ranks fork (MINIDP_START_METHOD; the README's explain command, in test_readme.py, spawns them) from a
+    # one-thread parent (a forked child cannot use an OpenMP pool its parent started).
     proc = subprocess.run([sys.executable, "-m", "minidp.explain", *argv, "--json", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=180, cwd=ROOT,
-                          env={**os.environ, "MINIDP_START_METHOD": "fork"})
+                          env={**os.environ, "MINIDP_START_METHOD": "fork", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout), proc.stderr
 

@@ -1,7 +1,8 @@
 """minidp inside PyTorch Lightning and Hugging Face Accelerate, each against the framework's own torch-DDP path.
 
-One module fixture starts three real launches at once (world size 2, gloo, CPU) and waits for them:
-Lightning's own launcher (tests/scripts/frameworks_lightning.py: strategy "ddp" and "minidp"), and the
+Three real launches (world size 2, gloo, CPU), registered at collection and run in the background
+between other tests (tests/scripts/background.py); the module fixture waits for them: Lightning's own
+launcher (tests/scripts/frameworks_lightning.py: strategy "ddp" and "minidp"), and the
 Accelerate script (tests/scripts/frameworks_accelerate.py: accelerate.Accelerator and
 minidp.accelerate.Accelerator) under both `accelerate launch` and torchrun. Each script trains both paths
 in the same processes, with and without gradient accumulation, resumes each path's checkpoint under the
@@ -22,6 +23,7 @@ from minidp.launch import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 sys.path.insert(0, SCRIPTS)
+from background import folder, prelaunch  # noqa: E402
 from processes import VENV_BIN, Command, clean_env  # noqa: E402
 
 # Looked up, not imported: importing Lightning here would cost this process seconds of CPU for nothing.
@@ -33,8 +35,8 @@ for _framework in ("lightning", "accelerate"):
 TIMEOUT_S = 240
 
 
-def _launches(out: str) -> dict:
-    """The three launches, each a Command started now (they run at once)."""
+def _launch(out: str, name: str) -> Command:
+    """One of the three launches, started now."""
     # No user config, cache or token: HF_HOME (Accelerate's config dir is under it) and caches in the temp folder.
     env = clean_env(HF_HOME=os.path.join(out, "hf"), XDG_CACHE_HOME=os.path.join(out, "cache"),
                     CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
@@ -49,18 +51,29 @@ def _launches(out: str) -> dict:
         "torchrun": [os.path.join(VENV_BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                      "--master_port", str(free_port()), accelerate, out, "torchrun"],
     }
-    return {name: Command(cmd, cwd=out, env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-                          if name == "lightning" else env, timeout=TIMEOUT_S)
-            for name, cmd in commands.items()}
+    return Command(commands[name], cwd=out, env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+                   if name == "lightning" else env, timeout=TIMEOUT_S)
+
+
+OUT: list = []  # the launches' shared folder, made when the first starts
+
+
+def _start(name: str) -> list:
+    if not OUT:
+        OUT.append(folder("frameworks"))
+    return [_launch(OUT[0], name)]
+
+
+LAUNCHES = {name: prelaunch(f"test_frameworks.py: {name}", lambda name=name: _start(name), module="test_frameworks.py")
+            for name in ("lightning", "accelerate", "torchrun")}
 
 
 class Runs:
     """The three launches' results, once all have ended; runs[name] is [rank 0's results, rank 1's]."""
 
-    def __init__(self, out: str):
-        self.out, commands = out, _launches(out)
-        self.ended = {name: command.wait() for name, command in commands.items()}
-        self.loaded = {}
+    def __init__(self):
+        self.ended = {name: group.results()[0] for name, group in LAUNCHES.items()}
+        self.out, self.loaded = OUT[0], {}
 
     def __getitem__(self, name: str) -> list:
         result = self.ended[name]  # a failed launch fails its own tests only
@@ -72,8 +85,8 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return Runs(str(tmp_path_factory.mktemp("frameworks")))
+def runs():
+    return Runs()
 
 
 def _equal(a: dict, b: dict) -> bool:

@@ -32,7 +32,8 @@ What changes before a README line runs, and nothing else:
     another (tests/scripts/run_files.py: each as __main__ through runpy, as `python file.py` would);
   * `make test` and `make demo` are not run (SKIPPED_MAKE says why); `make -n` checks each target.
 Every command has a timeout (its whole process tree is killed then) and OMP_NUM_THREADS=1; the
-commands run in the background, two at a time, from a module fixture.
+commands are registered at collection and run in the background between other tests, two at a time
+while a test here waits (tests/scripts/background.py).
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 sys.path.insert(0, SCRIPTS)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-from processes import Command, Pool, clean_env  # noqa: E402
+from background import folder, prelaunch  # noqa: E402
+from processes import Command, clean_env  # noqa: E402
 
 import common  # noqa: E402 - examples/common.py: the synthetic image folders
 
@@ -532,37 +534,40 @@ ITEMS = (bash_items(read_blocks()) + python_items(read_blocks()) + diff_items(re
          + python_items(read_blocks(EXAMPLES_README), where="examples/README.md "))
 
 
-@pytest.fixture(scope="module")
-def started(tmp_path_factory):
-    """Start every runnable item in the background (two at a time); each test waits for its own.
-
-    {key: future of [Result, ...]}; the one-process snippets share one future, their process's."""
-    ws = Workspace(tmp_path_factory.mktemp("readme"), read_blocks())
-    pool = Pool(max_running=2)
-    futures = {item.key: pool.submit(lambda item=item: item.start(ws)) for item in ITEMS if item.start}
-    files = {item.key: item.file(ws) for item in ITEMS if item.file}
-    one_process = pool.submit(lambda: [ws.command([sys.executable, RUN_FILES, *files.values()], cwd=str(ws.tmp))])
-    futures.update({key: _part_of(one_process, path) for key, path in files.items()})
-    yield futures
-    pool.close()  # kills whatever a failed test left running
+_WORKSPACE: list = []
 
 
+def workspace() -> Workspace:
+    """The files the items need, made when the first item starts."""
+    if not _WORKSPACE:
+        _WORKSPACE.append(Workspace(pathlib.Path(folder("readme")), read_blocks()))
+    return _WORKSPACE[0]
+
+
+def _run_files():
+    """The one-process snippets: each writes its file, then one process runs them all."""
+    ws = workspace()
+    FILES.update({item.key: item.file(ws) for item in ITEMS if item.file})
+    return [ws.command([sys.executable, RUN_FILES, *FILES.values()], cwd=str(ws.tmp))]
+
+
+# Every runnable item is registered now and runs in the background between other tests (two at a time
+# while a test here waits; tests/scripts/background.py). The one-process snippets share one launch.
+FILES: dict = {}  # item key -> the file it wrote, for run_files.py
 RUN_FILES = os.path.join(SCRIPTS, "run_files.py")
+LAUNCHES = {item.key: prelaunch(f"test_readme.py: {item.key}", lambda item=item: item.start(workspace()),
+                                module="test_readme.py") for item in ITEMS if item.start}
+_ONE_PROCESS = prelaunch("test_readme.py: the one-process snippets", _run_files, module="test_readme.py")
+LAUNCHES.update({item.key: _ONE_PROCESS for item in ITEMS if item.file})
 
 
-class _part_of:
-    """[Result] for one file run by run_files.py, as a future: its framed part of the output, its status."""
-
-    def __init__(self, future, path):
-        self.future, self.path = future, path
-
-    def result(self):
-        whole, path = self.future.result()[0], self.path
-        text = whole.output.partition(f"=== {path} ===\n")[2]
-        body, found, rest = text.partition(f"=== {path} exit ")
-        status = int(rest.split(" ", 1)[0]) if found else whole.returncode or 1  # killed before its end
-        return [dataclasses.replace(whole, cmd=f"{whole.cmd!r}: {path}", returncode=status,
-                                    output=body if found else f"{text}\n[run_files.py never finished {path}]")]
+def part_of(whole, path):
+    """[Result] for one file run by run_files.py: its framed part of the output, its status."""
+    text = whole.output.partition(f"=== {path} ===\n")[2]
+    body, found, rest = text.partition(f"=== {path} exit ")
+    status = int(rest.split(" ", 1)[0]) if found else whole.returncode or 1  # killed before its end
+    return [dataclasses.replace(whole, cmd=f"{whole.cmd!r}: {path}", returncode=status,
+                                output=body if found else f"{text}\n[run_files.py never finished {path}]")]
 
 
 def test_readme_holds_what_this_test_runs():
@@ -580,10 +585,12 @@ def test_readme_holds_what_this_test_runs():
 
 
 @pytest.mark.parametrize("item", ITEMS, ids=[re.sub(r"\s+", " ", i.key)[:100] for i in ITEMS])
-def test_readme_item_runs(item, started):
+def test_readme_item_runs(item):
     output = ""
     if item.start or item.file:
-        results = started[item.key].result()
+        results = LAUNCHES[item.key].results()
+        if item.file:
+            results = part_of(results[0], FILES[item.key])
         output = "".join(r.output for r in results)
         for r in results:
             assert r.returncode == 0, f"{item.key}\n{r}"

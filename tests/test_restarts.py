@@ -1,7 +1,8 @@
 """Surviving what clusters do (issue 21), with the real launchers: restarts after a lost worker, a stuck rank named.
 
-Every launcher run of this file starts at once from one module fixture (each in its own session, with
-its own port and a hard timeout that kills its process tree), and each test waits for its own:
+Every launcher run of this file is registered at collection and runs in the background between other
+tests (tests/scripts/background.py; each in its own session, with its own port and a hard timeout that
+kills its process tree); each test waits for its own:
 
   reference   restart_train.py's build and train_step, uninterrupted, in 2 ranks forked from this process
             (no launcher: it is the answer, not what is tested)
@@ -11,8 +12,8 @@ its own port and a hard timeout that kills its process tree), and each test wait
               (init(timeout=15), the issue's), and under minidp.launch (timeout=5, ranks forked)
   gives_up    python -m minidp.run --max-restarts 1 with a rank that fails every attempt
 """
-import concurrent.futures
 import os
+import pathlib
 import re
 import sys
 import time
@@ -30,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 sys.path.insert(0, SCRIPTS)
 import restart_train  # noqa: E402
+from background import folder, prelaunch  # noqa: E402
 from processes import VENV_BIN, Command, clean_env  # noqa: E402
 
 from harness import run_ranks  # noqa: E402
@@ -44,22 +46,20 @@ SLACK_S = 20
 STEPS = 40  # the restarted runs' length; rank 1 is killed halfway
 
 
-def _scenarios(tmp):
-    def out(name):
-        path = tmp / name
-        path.mkdir()
-        return str(path)
+def _scenario(name):
+    """(command, its output folder) for one scenario; the folder is made now."""
+    out = folder(f"restarts-{name}")
     kill = ["--steps", str(STEPS), "--kill-at", str(STEPS // 2)]
     return {
-        "torchrun": [TORCHRUN, "--nproc-per-node", "2", "--max-restarts", "1", "--master-port", str(free_port()),
-                     TRAIN, out("torchrun"), *kill],
-        "run": [*RUN, "--max-restarts", "1", TRAIN, out("run"), *kill],
-        "stuck_run": [*RUN, STUCK, out("stuck_run"), "--timeout", str(STUCK_TIMEOUT)],
-        "stuck_torchrun": [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), STUCK,
-                           out("stuck_torchrun"), "--timeout", str(STUCK_TIMEOUT)],
-        "stuck_launch": [sys.executable, STUCK, out("stuck_launch"), "--timeout", "5", "--launch"],
-        "gives_up": [*RUN, "--max-restarts", "1", _failing_script(out("gives_up"))],
-    }
+        "torchrun": lambda: [TORCHRUN, "--nproc-per-node", "2", "--max-restarts", "1", "--master-port",
+                             str(free_port()), TRAIN, out, *kill],
+        "run": lambda: [*RUN, "--max-restarts", "1", TRAIN, out, *kill],
+        "stuck_run": lambda: [*RUN, STUCK, out, "--timeout", str(STUCK_TIMEOUT)],
+        "stuck_torchrun": lambda: [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), STUCK,
+                                   out, "--timeout", str(STUCK_TIMEOUT)],
+        "stuck_launch": lambda: [sys.executable, STUCK, out, "--timeout", "5", "--launch"],
+        "gives_up": lambda: [*RUN, "--max-restarts", "1", _failing_script(out)],
+    }[name](), pathlib.Path(out)
 
 
 def _failing_script(folder):
@@ -70,22 +70,29 @@ def _failing_script(folder):
     return script
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Start every scenario now; {name: future of (Result, wall time at exit, its output folder)}."""
-    tmp = tmp_path_factory.mktemp("restarts")
+SCENARIOS = ("torchrun", "run", "stuck_run", "stuck_torchrun", "stuck_launch", "gives_up")
+_FOLDERS: dict = {}  # scenario -> its output folder, once started
+
+
+def _start(name):
+    cmd, out = _scenario(name)
+    _FOLDERS[name] = out
     env = clean_env(CUDA_VISIBLE_DEVICES="")  # CPU and gloo, as tests/conftest.py has it
-    # minidp.launch's ranks fork (their watchdog is what is tested; spawn runs in test_readme.py and test_launch.py)
-    forked = {**env, "MINIDP_START_METHOD": "fork"}
-    commands = {name: Command(cmd, ROOT, forked if name == "stuck_launch" else env, timeout=TIMEOUT_S)
-                for name, cmd in _scenarios(tmp).items()}
-    # Before the pool starts its threads: with none running, the harness forks the reference's ranks.
-    reference = run_ranks(_uninterrupted, 2, STEPS)[0]
-    pool = concurrent.futures.ThreadPoolExecutor(len(commands))
-    yield {name: pool.submit(lambda c=c: (c.wait(), time.time())) for name, c in commands.items()}, tmp, reference
-    for c in commands.values():
-        c.wait()  # a test that failed early left its command running: its timeout kills the tree
-    pool.shutdown()
+    if name == "stuck_launch":  # minidp.launch's ranks fork (their watchdog is tested; spawn: test_readme, test_launch)
+        env["MINIDP_START_METHOD"] = "fork"
+    # The launcher's exit time, written when it exits (the launch runs in the background, waited for later).
+    wrapped = ["/bin/bash", "-c", '"$@"; code=$?; date +%s.%N > "$0"; exit $code', str(out / "ended"), *cmd]
+    return [Command(wrapped, ROOT, env, timeout=TIMEOUT_S)]
+
+
+LAUNCHES = {name: prelaunch(f"test_restarts.py: {name}", lambda name=name: _start(name), module="test_restarts.py")
+            for name in SCENARIOS}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The uninterrupted run's weights (rank 0's), from 2 ranks forked here."""
+    return run_ranks(_uninterrupted, 2, STEPS)[0]
 
 
 def _uninterrupted(steps):
@@ -96,10 +103,12 @@ def _uninterrupted(steps):
     return model.module.state_dict()
 
 
-def _wait(runs, name):
-    futures, tmp, _ = runs
-    result, ended = futures[name].result()
-    return result, ended, tmp / name
+def _wait(name):
+    """(Result, the launcher's exit time, its output folder) of a scenario, once it has ended."""
+    (result,) = LAUNCHES[name].results()
+    out = _FOLDERS[name]
+    ended = float((out / "ended").read_text()) if (out / "ended").exists() else float("inf")
+    return result, ended, out
 
 
 def _final(folder):
@@ -113,8 +122,8 @@ def _assert_bitwise_equal(a, b):
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "run"])
-def test_a_killed_worker_is_restarted_and_the_resumed_run_ends_bitwise_equal(runs, launcher):
-    result, _, folder = _wait(runs, launcher)
+def test_a_killed_worker_is_restarted_and_the_resumed_run_ends_bitwise_equal(reference, launcher):
+    result, _, folder = _wait(launcher)
     assert result.returncode == 0, result
     # Attempt 0 lost rank 1 at step 20; both workers of attempt 1 met (no stale gloo address) and resumed.
     assert "attempt 0 rank 1 done" not in result.output, result
@@ -125,13 +134,13 @@ def test_a_killed_worker_is_restarted_and_the_resumed_run_ends_bitwise_equal(run
     if launcher == "run":
         assert "worker rank 1 failed first (exit code -9)" in result.output, result
         assert "killed by signal SIGKILL" in result.output and "restart 1 of 1" in result.output, result
-    _assert_bitwise_equal(_final(folder), runs[2])
+    _assert_bitwise_equal(_final(folder), reference)
 
 
 @pytest.mark.parametrize("launcher, timeout", [("stuck_run", STUCK_TIMEOUT), ("stuck_torchrun", STUCK_TIMEOUT),
                                                ("stuck_launch", 5)])
-def test_a_stuck_rank_is_named_with_the_line_it_is_stuck_on(runs, launcher, timeout):
-    result, ended, folder = _wait(runs, launcher)
+def test_a_stuck_rank_is_named_with_the_line_it_is_stuck_on(launcher, timeout):
+    result, ended, folder = _wait(launcher)
     assert result.returncode != 0, result
     fault = float(open(folder / "fault").read())
     assert ended - fault < timeout + SLACK_S, (ended - fault, result)
@@ -149,8 +158,8 @@ def test_a_stuck_rank_is_named_with_the_line_it_is_stuck_on(runs, launcher, time
             os.kill(int(open(folder / f"{rank}.pid").read()), 0)
 
 
-def test_minidp_run_gives_up_after_max_restarts_with_the_first_failure(runs):
-    result, _, _ = _wait(runs, "gives_up")
+def test_minidp_run_gives_up_after_max_restarts_with_the_first_failure():
+    result, _, _ = _wait("gives_up")
     assert result.returncode == 1, result
     assert result.output.count("restarting all 2 worker(s) (restart 1 of 1)") == 1, result
     first = result.output.partition("giving up after 1 restart(s); the first failure was:")[2]

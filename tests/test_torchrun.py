@@ -10,11 +10,13 @@ rendezvous does, instead of starting a second server on the same port. Each laun
 
 torchrun's static rendezvous (--master-port) runs in test_restarts.py: a restarted run, and a rank that
 raises (torchrun names it as the root cause, and no worker is left behind).
-The runs start in the background from a module fixture, and each test waits for its own. The
+The runs are registered at collection and run in the background between other tests
+(tests/scripts/background.py); each test waits for its own. The
 torchvision example runs under torchrun in test_examples.py (torch's DDP there, compared with minidp).
 """
 import json
 import os
+import pathlib
 import re
 import sys
 
@@ -29,7 +31,8 @@ SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 sys.path.insert(0, SCRIPTS)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-from processes import VENV_BIN, Command, Pool, clean_env  # noqa: E402
+from background import folder, prelaunch  # noqa: E402
+from processes import VENV_BIN, Command, clean_env  # noqa: E402
 
 import common  # noqa: E402 - examples/common.py: the synthetic images, the model
 
@@ -45,9 +48,10 @@ except ImportError:
     HAVE_DALI = False
 
 
-def _dali_example(tmp):
+def _dali_example():
     """The DALI example on 17 validation images: shards of 8 and 9 in batches of 8, so rank 0's second
     batch is empty (the exact validation must still count every image once)."""
+    tmp = pathlib.Path(_folder("dali"))
     root = tmp / "images"
     common.write_synthetic(str(root), 6, 2, size=16, seed=0)
     for name in ("class9/00000.png", "class9/00001.png", "class8/00001.png"):
@@ -55,40 +59,34 @@ def _dali_example(tmp):
     cmd = [*PYTHON_M, "--standalone", "--nproc-per-node", "2", os.path.join("examples", "train_dali.py"), "--tiny",
            "--data", str(root), "--optimizer", "lamb", "--checkpoint", str(tmp / "dali"), "--report",
            str(tmp / "dali.json")]
-    # GPUs hidden, as tests/conftest.py hides them from a CPU test's children (this starts from a fixture).
-    return (lambda: [Command(cmd, ROOT, clean_env(CUDA_VISIBLE_DEVICES=""), timeout=TIMEOUT_S)]), tmp / "dali.json"
+    return [Command(cmd, ROOT, clean_env(CUDA_VISIBLE_DEVICES=""), timeout=TIMEOUT_S)]
 
 
-def _check(tmp, name, *launch_options, nodes=1):
-    out_dir = tmp / name
-    out_dir.mkdir()
-
-    def start():  # the "nodes" are torchrun processes on this machine, started together
-        node_rank = (lambda n: ["--node-rank", str(n)]) if nodes > 1 else (lambda n: [])
-        return [Command([*TORCHRUN, *launch_options, *node_rank(n), CHECK, str(out_dir)],
-                        ROOT, timeout=TIMEOUT_S) for n in range(nodes)]
-    return start, out_dir
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Start every torchrun of this file in the background (two at a time); a test waits for its own."""
-    tmp = tmp_path_factory.mktemp("torchrun")
+def _two_nodes():
+    """torchrun_check.py on two "nodes" (torchrun processes on this machine, started together), c10d rendezvous."""
+    out_dir = _folder("nodes")
     endpoint = f"127.0.0.1:{free_port()}"
-    groups = {
-        "nodes": _check(tmp, "nodes", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                        "--rdzv-endpoint", endpoint, "--rdzv-id", "minidp-test", nodes=2),
-    }
-    if HAVE_DALI:
-        groups["dali"] = _dali_example(tmp)
-    pool = Pool(max_running=2)
-    yield {name: (pool.submit(start), where) for name, (start, where) in groups.items()}
-    pool.close()  # kills whatever a failed test left running
+    return [Command([*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                     endpoint, "--rdzv-id", "minidp-test", "--node-rank", str(n), CHECK, out_dir], ROOT,
+                    timeout=TIMEOUT_S) for n in range(2)]
 
 
-def _wait(runs, name):
-    future, where = runs[name]
-    return future.result(), where
+_FOLDERS: dict = {}  # launch -> its output folder, once started
+
+
+def _folder(name):
+    _FOLDERS[name] = folder(f"torchrun-{name}")
+    return _FOLDERS[name]
+
+
+# Registered at collection, run in the background between other tests (tests/scripts/background.py).
+LAUNCHES = {"nodes": prelaunch("test_torchrun.py: two nodes", _two_nodes, module="test_torchrun.py")}
+if HAVE_DALI:
+    LAUNCHES["dali"] = prelaunch("test_torchrun.py: DALI example", _dali_example, module="test_torchrun.py")
+
+
+def _wait(name):
+    return LAUNCHES[name].results(), pathlib.Path(_FOLDERS[name])
 
 
 def _check_lines(output):
@@ -102,8 +100,9 @@ def _check_lines(output):
 
 
 @pytest.mark.skipif(not HAVE_DALI, reason="needs NVIDIA DALI")
-def test_dali_example_under_python_m_torch_distributed_run_standalone_with_an_empty_batch(runs):
-    (result,), report = _wait(runs, "dali")
+def test_dali_example_under_python_m_torch_distributed_run_standalone_with_an_empty_batch():
+    (result,), out_dir = _wait("dali")
+    report = out_dir / "dali.json"
     assert result.returncode == 0, result
     assert "Address already in use" not in result.output  # the workers joined torchrun's store
     accuracies = ACCURACY.findall(result.output)
@@ -115,8 +114,8 @@ def test_dali_example_under_python_m_torch_distributed_run_standalone_with_an_em
     minidp.load_checkpoint(out["checkpoint"], common.resnet18_cifar(10, width=common.TINY["width"]))
 
 
-def test_two_nodes_with_c10d_rendezvous_pin_devices_and_go_local_rank_zero_first(runs):
-    results, out_dir = _wait(runs, "nodes")
+def test_two_nodes_with_c10d_rendezvous_pin_devices_and_go_local_rank_zero_first():
+    results, out_dir = _wait("nodes")
     for r in results:
         assert r.returncode == 0, r
     ranks = _check_lines("".join(r.output for r in results))

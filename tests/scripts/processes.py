@@ -56,6 +56,10 @@ class Command:
                                      stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True, executable="/bin/bash" if isinstance(cmd, str) else None)
 
+    def overdue(self) -> bool:
+        """Past its timeout (wait() kills it then)."""
+        return time.monotonic() > self.start + self.timeout
+
     def wait(self) -> Result:
         """The command's Result, once it has exited (or been killed at its timeout); the same on every call."""
         if self.result is not None:
