@@ -63,7 +63,7 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_collection_finish(session):
-    background.keep_only({item.path.name for item in session.items})
+    background.arrange([item.path.name for item in session.items])
 
 
 def pytest_runtest_setup(item):

@@ -85,10 +85,14 @@ def prelaunch(key: str, make: Callable[[], Sequence[Command]], module: str = "")
     return _GROUPS[key]
 
 
-def keep_only(modules) -> None:
-    """Forget the launches of test files none of whose tests run (called once collection is done)."""
-    for key in [k for k, g in _GROUPS.items() if g.module and g.module not in modules and not g.started]:
-        del _GROUPS[key]
+def arrange(modules_in_order) -> None:
+    """Once collection is done: forget the launches of test files none of whose tests run, and queue the
+    others in the order their files' tests run (a file's launches in the order it registered them)."""
+    position = {m: i for i, m in reversed(list(enumerate(modules_in_order)))}  # each file's first test
+    kept = sorted((g for g in _GROUPS.values() if not g.module or g.module in position),
+                  key=lambda g: position.get(g.module, -1))  # stable
+    _GROUPS.clear()
+    _GROUPS.update((g.key, g) for g in kept)
 
 
 def pump(limit: int = IN_BACKGROUND) -> None:
