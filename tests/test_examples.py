@@ -2,17 +2,16 @@
 
 The torchvision example runs with minidp and with torch DDP on the same seed, with SyncBatchNorm and
 LARS, and the two must end bitwise equal; the checkpoint is reloaded into a fresh model and must give
-the accuracy the run reported. torch's DDP runs as a real command under torchrun (2 ranks), started in
-the background at collection (tests/scripts/background.py); minidp's through the example's main() in
-this process, its workers forked from it (tests/harness.py; spawned by a real command line:
-test_readme.py's `python examples/...` runs).
+the accuracy the run reported. Both run through the example's main() in this process, its 2 workers
+forked from it (tests/harness.py); the real command lines run in test_readme.py: the README's `python
+examples/train_torchvision.py` (workers spawned) and its `torchrun --nproc-per-node 2 ... --engine ddp
+--sync-bn` (2 ranks under torchrun).
 The DALI example runs under torch.distributed.run in test_torchrun.py, with an empty validation batch.
 A few pure checks of the shared pieces need no process at all.
 """
 import argparse
 import json
 import os
-import pathlib
 import re
 import sys
 
@@ -22,7 +21,6 @@ from torch.utils.data import DataLoader
 
 import minidp
 from harness import workers_forked
-from minidp.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -31,62 +29,32 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
 
 import demo  # noqa: E402
 import train_torchvision  # noqa: E402
-from background import folder, prelaunch  # noqa: E402
-from processes import LAUNCH_VARS, VENV_BIN, Command  # noqa: E402
+from processes import LAUNCH_VARS  # noqa: E402
 
 import common  # noqa: E402 - examples/ is not a package
 
 ACCURACY = re.compile(r"epoch 1/1  train loss [\d.]+  val loss [\d.]+  val accuracy ([\d.]+)% of 20 images")
 
 
-def _torchrun_ddp(tmp_path, options) -> Command:
-    """`torchrun --nproc-per-node 2 examples/train_torchvision.py --tiny --engine ddp ...`, started now."""
-    cmd = [os.path.join(VENV_BIN, "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()),
-           os.path.join(EXAMPLES, "train_torchvision.py"),
-           "--tiny", *options, "--engine", "ddp", "--checkpoint", str(tmp_path / "ddp"), "--report",
-           str(tmp_path / "ddp.json")]
-    return Command(cmd, ROOT, timeout=240)
-
-
-def _same(out: pathlib.Path) -> list:
-    """The options both runs share: the same data and seed, with SyncBatchNorm, LARS and --amp (bf16 on CPU)."""
-    return ["--synthetic-dir", str(out / "data"), "--sync-bn", "--optimizer", "lars", "--amp"]
-
-
-_DDP_OUT: list = []  # the torchrun run's folder, once it has started
-
-
-def _start_torchrun_ddp():
-    _DDP_OUT.append(pathlib.Path(folder("examples")))
-    return [_torchrun_ddp(_DDP_OUT[0], _same(_DDP_OUT[0]))]
-
-
-TORCHRUN_DDP = prelaunch("test_examples.py: torch DDP under torchrun", _start_torchrun_ddp, module="test_examples.py")
-
-
-def _minidp_in_process(tmp_path, options, monkeypatch) -> dict:
+def _in_process(engine, out, options, monkeypatch) -> dict:
     """The example's main() here, spawning (forking) its 2 workers itself; returns its JSON report."""
     for name in [*LAUNCH_VARS, *(k for k in os.environ if k.startswith(("TORCHELASTIC_", "SLURM_")))]:
         monkeypatch.delenv(name, raising=False)  # left by an in-process init(), the example would not launch
     with workers_forked():
-        train_torchvision.main(["--tiny", *options, "--nproc-per-node", "2", "--checkpoint", str(tmp_path / "minidp"),
-                                "--report", str(tmp_path / "minidp.json")])
-    with open(tmp_path / "minidp.json") as f:
+        train_torchvision.main(["--tiny", *options, "--engine", engine, "--nproc-per-node", "2", "--checkpoint",
+                                str(out / engine), "--report", str(out / f"{engine}.json")])
+    with open(out / f"{engine}.json") as f:
         return json.load(f)
 
 
-def test_torchvision_minidp_equals_torch_ddp_under_torchrun(tmp_path, monkeypatch):
+def test_torchvision_minidp_equals_torch_ddp(tmp_path, monkeypatch, capfd):
     # The same tiny run twice, on the same data and seed, with SyncBatchNorm, LARS and --amp (bfloat16 on CPU).
-    (result,) = TORCHRUN_DDP.results()  # (killed at its timeout)
-    ddp_out = _DDP_OUT[0]
-    out = _minidp_in_process(tmp_path, _same(ddp_out), monkeypatch)
-    assert result.returncode == 0, result
-    assert "Address already in use" not in result.output  # the workers joined torchrun's store, none started one
-    accuracies = ACCURACY.findall(result.output)
-    assert len(accuracies) == 1, result  # printed by rank 0 only
-    with open(ddp_out / "ddp.json") as f:
-        ddp = json.load(f)
+    same = ["--synthetic-dir", str(tmp_path / "data"), "--sync-bn", "--optimizer", "lars", "--amp"]
+    ddp = _in_process("ddp", tmp_path, same, monkeypatch)
+    accuracies = ACCURACY.findall(capfd.readouterr().out)
+    assert len(accuracies) == 1, accuracies  # printed by rank 0 only
     assert float(accuracies[0]) == pytest.approx(100 * ddp["history"][0]["val_accuracy"], abs=0.01)
+    out = _in_process("minidp", tmp_path, same, monkeypatch)
     assert out["engine"] == "minidp" and out["world_size"] == 2 and out["steps"] == common.TINY["max_steps"]
     assert ddp["engine"] == "ddp" and ddp["world_size"] == 2 and ddp["steps"] == out["steps"]
     # At 2 ranks minidp is bitwise torch DDP: the same weights, BatchNorm statistics, losses and accuracy.
@@ -101,7 +69,7 @@ def test_torchvision_minidp_equals_torch_ddp_under_torchrun(tmp_path, monkeypatc
     assert {"sampler", "args", "metrics"} <= set(ckpt["extra"]) and ckpt["optimizer"] is not None
     assert ckpt["extra"]["sampler"]["consumed"] == 3 * 4 and ckpt["scheduler"]["last_epoch"] == 3
     # Rank 0's weights and statistics, evaluated in one process, give the accuracy the 2 ranks reported.
-    (root,) = [e.path for e in os.scandir(ddp_out / "data") if e.name.startswith("minidp-synthetic-")]
+    (root,) = [e.path for e in os.scandir(tmp_path / "data") if e.name.startswith("minidp-synthetic-")]
     _, val_set = train_torchvision.image_folders(root, common.TINY["image_size"])
     sums = common.evaluate(model, DataLoader(val_set, batch_size=7), torch.device("cpu"))
     assert sums["count"] == 20 and abs(sums["correct"] - round(20 * record["val_accuracy"])) <= 1

@@ -15,10 +15,10 @@ What changes before a README line runs, and nothing else:
     be the README's, line for line;
   * world size: a command for two nodes ("on each node") runs twice at once on 127.0.0.1, with
     `--node-rank` 0 and 1, `--nproc-per-node 1` (world size 2), `10.0.0.1` -> 127.0.0.1 and
-    `--master-port 29500` -> a free port. On one node, a training example's or examples/minimal.py's
-    `--nproc-per-node N` becomes 1: test_launch.py, test_restarts.py, test_torchrun.py and
-    test_examples.py (torch's DDP with --sync-bn under torchrun, compared with minidp) run these launcher
-    shapes at world size 2 already, and each process costs seconds of this 2-core machine. A
+    `--master-port 29500` -> a free port. On one node, examples/minimal.py's and a training example's
+    `--nproc-per-node N` becomes 1 (test_launch.py, test_restarts.py and test_torchrun.py run these
+    launcher shapes at world size 2 already, and each process costs seconds of this 2-core machine),
+    but for a training example under torchrun: the torchvision example's torch-DDP line runs at 2. A
     single-node torchrun command gets a free port through torchrun's PET_MASTER_PORT (its text
     unchanged): items run two at a time, and torchrun's default port is the same for all;
   * the ```diff blocks are applied to tests/scripts/ddp_train.py (a torch DDP script for torchrun on
@@ -182,10 +182,16 @@ class Workspace:
 TRAINING_EXAMPLE = re.compile(r"\bexamples/train_\w+\.py\b")  # the examples with a --tiny preset
 
 
+def one_process_per_node(cmd: str) -> bool:
+    """Whether the command's --nproc-per-node becomes 1 here (see the module docstring)."""
+    return ("--node-rank" in cmd or "examples/minimal.py" in cmd
+            or bool(TRAINING_EXAMPLE.search(cmd)) and not cmd.startswith("torchrun "))
+
+
 def small_form(cmd: str, ws: Workspace, node_rank: int = 0, port: int = 0) -> str:
     """The README command as it runs here (see the module docstring)."""
     out = cmd
-    if "--node-rank" in cmd or TRAINING_EXAMPLE.search(cmd) or "examples/minimal.py" in cmd:
+    if one_process_per_node(cmd):
         out = re.sub(r"--nproc-per-node \d+", "--nproc-per-node 1", out)
     if "--node-rank" in cmd:
         out = out.replace("--node-rank 0", f"--node-rank {node_rank}")
@@ -203,7 +209,7 @@ def world(cmd: str) -> int:
     """The world size of the command as small_form runs it."""
     if "--node-rank" in cmd:
         return 2
-    if TRAINING_EXAMPLE.search(cmd) or "examples/minimal.py" in cmd:
+    if one_process_per_node(cmd):
         return 1
     nproc = re.search(r"--nproc-per-node (\d+)", cmd)
     return int(nproc.group(1)) if nproc else 1
@@ -224,6 +230,7 @@ def check_example(cmd: str) -> Callable[[str], None]:
 
     def check(output: str) -> None:
         assert output.count(f"{engine}: {world(cmd)} workers x 4 images") == 1, output  # rank 0 only
+        assert "Address already in use" not in output, output  # under torchrun: the workers joined its store
         epochs = re.findall(r"epoch (\d+)/(\d+)  train loss [\d.]+  val loss [\d.]+  val accuracy", output)
         assert epochs and [int(e) for e, _ in epochs] == list(range(1, int(epochs[0][1]) + 1)), output
     return check
@@ -624,6 +631,8 @@ def test_parsing_helpers():
         "torchrun --nproc-per-node 1 examples/minimal.py")
     assert small_form("python examples/train_lm.py --nproc-per-node 2 --bf16", ws) == (
         "python examples/train_lm.py --nproc-per-node 1 --bf16 --tiny")
+    assert small_form("torchrun --nproc-per-node 2 examples/train_torchvision.py --engine ddp", ws) == (
+        "torchrun --nproc-per-node 2 examples/train_torchvision.py --engine ddp --tiny")
     assert small_form("python examples/train_dali.py --data ~/imagenette", ws) == (
         "python examples/train_dali.py --data /data/imagenette --tiny")
     explain = "python -m minidp.explain resnet18 --world-size 2 --input-shape {} --batch {} --out {}"
