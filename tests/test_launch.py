@@ -208,3 +208,15 @@ def test_shutdown_destroys_the_group_and_is_safe_twice():
     for states, world, total in run_ranks(_init_shutdown_twice_init_again, 2):
         assert states == [True, False, False]
         assert world == 2 and total == 2.0
+
+
+def test_the_launcher_and_simulate_start_without_torch():
+    """`import minidp` loads its names on first use: the launcher and the simulator import no torch (seconds of
+    CPU a process), while minidp.DDP still works as an attribute."""
+    code = ("import sys, minidp, minidp.run, minidp.simulate, minidp.study.time_to_target\n"
+            "assert 'torch' not in sys.modules, 'imported torch'\n"
+            "assert minidp.launch.__module__ == 'minidp.launch' and minidp.DDP.__name__ == 'DistributedDataParallel'\n"
+            "assert 'torch' in sys.modules and minidp.hooks is sys.modules['minidp.engine.hooks']\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
