@@ -22,6 +22,8 @@ os.environ.setdefault("MINIDP_BACKEND", "gloo")
 # (dynamo's compile leaves the autograd engine's device threads, a DALI pipeline its executor's):
 # their files run last, so every test before them can fork. See pytest_collection_modifyitems.
 LEAVE_THREADS = ("test_compile.py", "test_dali.py")
+# ... but for their tests whose ranks the harness forks and which leave no thread here: they run in place.
+FORK_IN_PLACE = ("test_dali.py::test_dali_example_with_amp_and_novograd_minidp_equals_torch_ddp",)
 # The files whose tests only wait for launches started in the background (tests/scripts/background.py) run
 # after those: while the compiles and DALI's tests leave a core idle, the launches still queued run there.
 LAUNCHES_LAST = ("test_frameworks.py", "test_readme.py", "test_torchrun.py")
@@ -42,7 +44,8 @@ def _cpu_children_unless_gpu_test(request, monkeypatch):
 
 def pytest_collection_modifyitems(config, items):
     # stable: file order kept otherwise
-    items.sort(key=lambda item: (item.path.name in LAUNCHES_LAST, item.path.name in LEAVE_THREADS))
+    items.sort(key=lambda item: (item.path.name in LAUNCHES_LAST, item.path.name in LEAVE_THREADS
+                                 and not item.nodeid.endswith(FORK_IN_PLACE)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
