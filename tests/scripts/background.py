@@ -1,6 +1,6 @@
 """Launcher runs the tests need, started early and run in the background while other tests run.
 
-Why: on this 2-core machine a third of the suite ran with a core idle (one process compiling, one rank
+Why: on this 2-core machine a fifth of the suite's core time was idle (one process compiling, one rank
 waiting out a timeout), while the real launches (torchrun, minidp.run, the README's commands, Lightning's
 and Accelerate's launchers) ran later, two at a time, with nothing else to do. Now each test file
 registers its launches when it is imported (at collection), tests/conftest.py keeps two of them running
@@ -25,8 +25,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 from processes import Command, Result, kill_tree
 
 # Launches running while other tests run; MINIDP_TEST_BACKGROUND=0: none (a launch then starts only when a test
-# waits for it). Whole suite on this 2-core machine (2026-12-03, one run each, the machine's speed varying by
-# ~15% between runs): 0 -> 441 s, 1 -> 389 and 415 s, 2 -> 358 s, 3 -> 428 s.
+# waits for it). Whole suite on this 2-core machine (2026-12-03, the machine's speed varying by ~15% between
+# runs): 0 -> 441 s, 1 -> 389 and 415 s, 2 -> 358 s (then 409-418 s after later changes), 3 -> 428 s.
 IN_BACKGROUND = int(os.environ.get("MINIDP_TEST_BACKGROUND", "2"))
 WHILE_WAITING = 2  # launches running while a test waits for one
 
