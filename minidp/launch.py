@@ -68,6 +68,12 @@ def _main_importable() -> bool:
     return bool(getattr(getattr(main, "__spec__", None), "name", None) or (path and os.path.isfile(path)))
 
 
+def _cuda_initialised() -> bool:
+    """Whether this process has initialised CUDA (a forked child could not use it then); no torch import."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
 def start_method(fn: Callable) -> str:
     """"spawn" when the children can import `__main__`, else "fork" (notebooks, `python -`, `python -c`).
 
@@ -75,13 +81,11 @@ def start_method(fn: Callable) -> str:
     fails when `__main__` is not a file (`FileNotFoundError: '<stdin>'`, or no `fn` in the child).
     Fork needs no import, but a forked child cannot use CUDA once the parent has initialised it.
     """
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
     if _main_importable():
         return "spawn"  # `python script.py` or `python -m module`: the child imports it again
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
+    if not _cuda_initialised():
         return "fork"
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
     if path is None and getattr(fn, "__module__", "__main__") != "__main__":
         return "spawn"  # e.g. Jupyter with fn imported from a module: the child can import that
     raise RuntimeError(
@@ -107,12 +111,11 @@ def chosen_start_method(fn: Callable, requested: Optional[str]) -> str:
         return start_method(fn)
     if requested not in START_METHODS:
         raise ValueError(f"{where}={requested!r} must be one of {', '.join(START_METHODS)}")
-    torch = sys.modules.get("torch")
     if requested != "fork" and getattr(fn, "__module__", None) == "__main__" and not _main_importable():
         raise ValueError(f"{where}={requested!r}: {getattr(fn, '__qualname__', fn)!r} is defined in a __main__ "
                          "that is not a file (a notebook, python - or -c), so a new interpreter cannot import it; "
                          "use 'fork', or put fn in a .py module")
-    if requested == "fork" and torch is not None and torch.cuda.is_initialized():
+    if requested == "fork" and _cuda_initialised():
         raise RuntimeError(f"{where}='fork': CUDA is already initialised in this process, and a forked worker "
                            "cannot use it; use 'spawn' (the default for a script) or launch before touching CUDA")
     return requested

@@ -70,7 +70,7 @@ def pytest_collection_finish(session):
 
 
 def pytest_runtest_setup(item):
-    background.pump()  # one launch in the background while this test runs
+    background.pump()  # launches keep running in the background (background.IN_BACKGROUND of them)
 
 
 def pytest_sessionfinish(session):

@@ -46,20 +46,20 @@ SLACK_S = 20
 STEPS = 40  # the restarted runs' length; rank 1 is killed halfway
 
 
-def _scenario(name):
-    """(command, its output folder) for one scenario; the folder is made now."""
-    out = folder(f"restarts-{name}")
+def _command(name, out):
+    """The command line of one scenario, writing into the folder `out`."""
+    if name == "gives_up":
+        return [*RUN, "--max-restarts", "1", _failing_script(out)]
     kill = ["--steps", str(STEPS), "--kill-at", str(STEPS // 2)]
+    stuck = [STUCK, out, "--timeout", str(STUCK_TIMEOUT)]
     return {
-        "torchrun": lambda: [TORCHRUN, "--nproc-per-node", "2", "--max-restarts", "1", "--master-port",
-                             str(free_port()), TRAIN, out, *kill],
-        "run": lambda: [*RUN, "--max-restarts", "1", TRAIN, out, *kill],
-        "stuck_run": lambda: [*RUN, STUCK, out, "--timeout", str(STUCK_TIMEOUT)],
-        "stuck_torchrun": lambda: [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), STUCK,
-                                   out, "--timeout", str(STUCK_TIMEOUT)],
-        "stuck_launch": lambda: [sys.executable, STUCK, out, "--timeout", "5", "--launch"],
-        "gives_up": lambda: [*RUN, "--max-restarts", "1", _failing_script(out)],
-    }[name](), pathlib.Path(out)
+        "torchrun": [TORCHRUN, "--nproc-per-node", "2", "--max-restarts", "1", "--master-port", str(free_port()),
+                     TRAIN, out, *kill],
+        "run": [*RUN, "--max-restarts", "1", TRAIN, out, *kill],
+        "stuck_run": [*RUN, *stuck],
+        "stuck_torchrun": [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), *stuck],
+        "stuck_launch": [sys.executable, STUCK, out, "--timeout", "5", "--launch"],
+    }[name]
 
 
 def _failing_script(folder):
@@ -75,8 +75,8 @@ _FOLDERS: dict = {}  # scenario -> its output folder, once started
 
 
 def _start(name):
-    cmd, out = _scenario(name)
-    _FOLDERS[name] = out
+    out = _FOLDERS[name] = pathlib.Path(folder(f"restarts-{name}"))
+    cmd = _command(name, str(out))
     env = clean_env(CUDA_VISIBLE_DEVICES="")  # CPU and gloo, as tests/conftest.py has it
     if name == "stuck_launch":  # minidp.launch's ranks fork (their watchdog is tested; spawn: test_readme, test_launch)
         env["MINIDP_START_METHOD"] = "fork"

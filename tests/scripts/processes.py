@@ -1,22 +1,21 @@
 """Run real launcher commands (torchrun, python -m minidp.run, README lines) from tests, safely.
 
-Imported by tests/test_torchrun.py and tests/test_readme.py. Each command runs in its own session
-with its output in a file (no pipe to fill up), several may run at once, and every wait has a
-timeout after which the command's whole process tree is killed: torchrun starts its workers in
-sessions of their own, so they are found through /proc before anything is killed.
+Imported by the tests that run real launches (through tests/scripts/background.py, which runs them
+between other tests). Each command runs in its own session with its output in a file (no pipe to fill
+up), several may run at once, and every wait has a timeout after which the command's whole process tree
+is killed: torchrun starts its workers in sessions of their own, so they are found through /proc
+before anything is killed.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 VENV_BIN = os.path.dirname(sys.executable)
 # Variables a launcher sets: a child must not inherit them from a pytest process that ran init().
@@ -78,11 +77,6 @@ class Command:
         return self.result
 
 
-def run_together(commands: Sequence[Command]) -> List[Result]:
-    """Wait for commands that were started together (e.g. two "nodes"); a timeout kills all of them."""
-    return [c.wait() for c in commands]
-
-
 def descendants(pid: int) -> List[int]:
     """All processes below `pid` (children, grandchildren, ...), read from /proc."""
     children: Dict[int, List[int]] = {}
@@ -109,41 +103,3 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-class Pool:
-    """Run groups of commands in the background, at most `max_running` groups at a time.
-
-    submit(make) calls make() -> [Command, ...] when a slot frees (the commands of a group start
-    together, e.g. two "nodes") and returns a Future of their Results. close() kills what still runs.
-    """
-
-    def __init__(self, max_running: int = 2):
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_running)
-        self._live: Dict[int, Command] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def submit(self, make: Callable[[], Sequence[Command]]) -> "concurrent.futures.Future[List[Result]]":
-        return self._executor.submit(self._run, make)
-
-    def _run(self, make):
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("pool closed before this group started")
-            commands = list(make())
-            self._live.update((id(c), c) for c in commands)
-        try:
-            return run_together(commands)
-        finally:
-            with self._lock:
-                for c in commands:
-                    self._live.pop(id(c), None)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            for c in self._live.values():
-                if c.proc.poll() is None:
-                    kill_tree(c.proc.pid)
-        self._executor.shutdown(wait=True, cancel_futures=True)
