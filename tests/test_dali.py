@@ -1,7 +1,9 @@
 """minidp.data.dali: a DALI pipeline sharded by rank, over a tiny generated image folder (CPU; GPU marked).
 
 First, the DALI example (examples/train_dali.py) trained with minidp and with torch DDP in the same two
-ranks, one after the other, with --amp (bfloat16 on CPU) and NovoGrad: the two must end bitwise equal.
+ranks, one after the other, with --amp (bfloat16 on CPU) and NovoGrad: the two must end bitwise equal, and
+the exact validation must count each of its 17 images once though rank 0's second batch is empty. (The
+README's DALI command runs under `python -m minidp.run` in test_readme.py.)
 Then the loader itself: every image is one solid colour whose red channel encodes the file's id
 (10 * id), so a batch can be traced back to its files without any side channel: sharding, padding and
 shard moves are checked on the pixels the pipeline actually produced.
@@ -68,8 +70,9 @@ def _both_engines_worker(folder: str) -> dict:
     env = minidp.init()
     out = {"dtypes": set()}
     for engine in ("minidp", "ddp"):
-        args = common.parse_args("test", ["--tiny", "--synthetic-dir", folder, "--optimizer", "novograd", "--amp",
-                                          "--engine", engine, "--checkpoint", os.path.join(folder, engine)])
+        args = common.parse_args("test", ["--tiny", "--data", os.path.join(folder, "images"), "--optimizer",
+                                          "novograd", "--amp", "--engine", engine, "--checkpoint",
+                                          os.path.join(folder, engine)])
         loaders = train_dali.build_loaders(args, env)  # fresh pipelines: the same batches for both engines
         loaders.train = _Dtypes(loaders.train, out["dtypes"])
         out[engine] = train_torchvision.fit(args, env, loaders)
@@ -77,15 +80,20 @@ def _both_engines_worker(folder: str) -> dict:
 
 
 def test_dali_example_with_amp_and_novograd_minidp_equals_torch_ddp(tmp_path):
-    # One launch of two ranks (no torchrun: that form runs in test_torchrun.py), both engines in turn.
+    # 17 validation images: shards of 8 and 9 in batches of 8, so rank 0's second batch is empty.
+    common.write_synthetic(str(tmp_path / "images"), common.TINY["train_per_class"], 2, size=16, seed=0)
+    for name in ("class9/00000.png", "class9/00001.png", "class8/00001.png"):
+        os.remove(tmp_path / "images" / "val" / name)
+    # One launch of two ranks (the README's command runs the example under a launcher), both engines in turn.
     results = run_ranks(_both_engines_worker, 2, str(tmp_path), init=False, timeout=240)
     mine, ddp = results[0]["minidp"], results[0]["ddp"]
     assert mine["steps"] == ddp["steps"] == common.TINY["max_steps"] and mine["world_size"] == 2
     # The pipeline still gives float32 images: autocast casts them inside the model's bfloat16 ops.
     assert all(r["dtypes"] == {"torch.float32"} for r in results)
     assert demo.max_difference(mine["checkpoint"], ddp["checkpoint"])[0] == 0.0
-    assert mine["history"] == ddp["history"] and mine["history"][0]["val_count"] == 20
+    assert mine["history"] == ddp["history"] and mine["history"][0]["val_count"] == 17
     assert mine["history"][0]["train_loss"] > 0
+    assert results[1]["minidp"]["history"] == mine["history"]  # the sums over ranks, the same on both
 
 
 def _loader(folder, rank, world_size=2, **kw):

@@ -4,9 +4,8 @@ The torchvision example runs with minidp and with torch DDP on the same seed, wi
 LARS, and the two must end bitwise equal; the checkpoint is reloaded into a fresh model and must give
 the accuracy the run reported. Both run through the example's main() in this process, its 2 workers
 forked from it (tests/harness.py); the real command lines run in test_readme.py: the README's `python
-examples/train_torchvision.py` (workers spawned) and its `torchrun --nproc-per-node 2 ... --engine ddp
---sync-bn` (2 ranks under torchrun).
-The DALI example runs under torch.distributed.run in test_torchrun.py, with an empty validation batch.
+examples/train_torchvision.py` (a worker spawned) and its `torchrun --nproc-per-node 2 ... --engine ddp
+--sync-bn` (at 1 rank under torchrun). The DALI example's tests are in test_dali.py.
 A few pure checks of the shared pieces need no process at all.
 """
 import argparse

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from harness import workers_forked
 from minidp.study.explain import explain, format_report, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,9 +23,11 @@ def _explain(tmp_path, *argv):
 
 
 def test_module_factory_find_unused_no_rebuild(tmp_path):
-    # The function behind the command, from this process (tests/ is on sys.path, so models imports).
-    report = explain("models:UnusedBranch", world_size=1, input_shape=(8,), find_unused=True, bucket_cap_mb=0.0001,
-                     steps=2, out_dir=str(tmp_path), progress=lambda text: None)
+    # The function behind the command, from this process (tests/ is on sys.path, so models imports); its
+    # rank forks from here where the harness finds that safe (a spawned one would import torch again).
+    with workers_forked():
+        report = explain("models:UnusedBranch", world_size=1, input_shape=(8,), find_unused=True, bucket_cap_mb=0.0001,
+                         steps=2, out_dir=str(tmp_path), progress=lambda text: None)
     construction, last = report["phases"]
     assert not report["rebuilt"] and len(construction["buckets"]) > 1  # cap-sized buckets from the start
     assert construction["same_as_ddp"] and last["same_as_ddp"]

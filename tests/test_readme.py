@@ -17,8 +17,8 @@ What changes before a README line runs, and nothing else:
     `--node-rank` 0 and 1, `--nproc-per-node 1` (world size 2), `10.0.0.1` -> 127.0.0.1 and
     `--master-port 29500` -> a free port. On one node, examples/minimal.py's and a training example's
     `--nproc-per-node N` becomes 1 (test_launch.py, test_restarts.py and test_torchrun.py run these
-    launcher shapes at world size 2 already, and each process costs seconds of this 2-core machine),
-    but for a training example under torchrun: the torchvision example's torch-DDP line runs at 2. A
+    launcher shapes at world size 2 already, test_examples.py and test_dali.py the examples at 2 ranks
+    against torch DDP, and each process costs seconds of this 2-core machine). A
     single-node torchrun command gets a free port through torchrun's PET_MASTER_PORT (its text
     unchanged): items run two at a time, and torchrun's default port is the same for all;
   * the ```diff blocks are applied to tests/scripts/ddp_train.py (a torch DDP script for torchrun on
@@ -184,8 +184,7 @@ TRAINING_EXAMPLE = re.compile(r"\bexamples/train_\w+\.py\b")  # the examples wit
 
 def one_process_per_node(cmd: str) -> bool:
     """Whether the command's --nproc-per-node becomes 1 here (see the module docstring)."""
-    return ("--node-rank" in cmd or "examples/minimal.py" in cmd
-            or bool(TRAINING_EXAMPLE.search(cmd)) and not cmd.startswith("torchrun "))
+    return "--node-rank" in cmd or "examples/minimal.py" in cmd or bool(TRAINING_EXAMPLE.search(cmd))
 
 
 def small_form(cmd: str, ws: Workspace, node_rank: int = 0, port: int = 0) -> str:
@@ -632,7 +631,7 @@ def test_parsing_helpers():
     assert small_form("python examples/train_lm.py --nproc-per-node 2 --bf16", ws) == (
         "python examples/train_lm.py --nproc-per-node 1 --bf16 --tiny")
     assert small_form("torchrun --nproc-per-node 2 examples/train_torchvision.py --engine ddp", ws) == (
-        "torchrun --nproc-per-node 2 examples/train_torchvision.py --engine ddp --tiny")
+        "torchrun --nproc-per-node 1 examples/train_torchvision.py --engine ddp --tiny")
     assert small_form("python examples/train_dali.py --data ~/imagenette", ws) == (
         "python examples/train_dali.py --data /data/imagenette --tiny")
     explain = "python -m minidp.explain resnet18 --world-size 2 --input-shape {} --batch {} --out {}"

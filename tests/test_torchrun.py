@@ -3,18 +3,19 @@
 torchrun's agent hosts a TCPStore on MASTER_PORT and tells the workers so
 (TORCHELASTIC_USE_AGENT_STORE=True); minidp.init() must join it as a client, as torch's env://
 rendezvous does, instead of starting a second server on the same port. Each launcher form runs once
-(every torchrun start costs seconds on 2 cores), so the forms share the runs:
+(every torchrun start costs seconds on 2 cores):
 
-  python -m torch.distributed.run --standalone       the DALI example, with an empty validation batch
-  --rdzv-backend c10d --rdzv-endpoint, two "nodes"   tests/scripts/torchrun_check.py, world size 4
+  --rdzv-backend c10d --rdzv-endpoint, two "nodes"   here: tests/scripts/torchrun_check.py, world size 4
+  --max-restarts, static rendezvous (--master-port)  test_restarts.py: a restarted run, a stuck rank, and a
+                                                     rank that raises (named as the root cause, no worker
+                                                     left behind)
+  single node, its default port                      test_readme.py: the README's torchrun commands (the
+                                                     minimal script, the torchvision example on torch DDP,
+                                                     Accelerate, the README's diffs at world size 2)
 
-torchrun's static rendezvous (--master-port) runs in test_restarts.py: a restarted run, and a rank that
-raises (torchrun names it as the root cause, and no worker is left behind).
-The runs are registered at collection and run in the background between other tests
-(tests/scripts/background.py); each test waits for its own. The
-torchvision example runs under torchrun in test_examples.py (torch's DDP there, compared with minidp).
+The run here is registered at collection and runs in the background between other tests
+(tests/scripts/background.py).
 """
-import json
 import os
 import pathlib
 import re
@@ -22,44 +23,19 @@ import sys
 
 import pytest
 
-import minidp
 from minidp.env import _agent_store_serves, resolve_env
 from minidp.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 sys.path.insert(0, SCRIPTS)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from background import folder, prelaunch  # noqa: E402
-from processes import VENV_BIN, Command, clean_env  # noqa: E402
-
-import common  # noqa: E402 - examples/common.py: the synthetic images, the model
+from processes import VENV_BIN, Command  # noqa: E402
 
 TORCHRUN = [os.path.join(VENV_BIN, "torchrun")]  # the console script pip installs with torch
-PYTHON_M = [sys.executable, "-m", "torch.distributed.run"]
 CHECK = os.path.join(SCRIPTS, "torchrun_check.py")
 TIMEOUT_S = 240  # per command; a hung rendezvous or collective ends here, with its tree killed
-ACCURACY = re.compile(r"epoch 1/1  train loss [\d.]+  val loss [\d.]+  val accuracy ([\d.]+)% of 17 images")
-HAVE_DALI = True
-try:
-    import nvidia.dali  # noqa: F401
-except ImportError:
-    HAVE_DALI = False
-
-
-def _dali_example():
-    """The DALI example on 17 validation images: shards of 8 and 9 in batches of 8, so rank 0's second
-    batch is empty (the exact validation must still count every image once)."""
-    tmp = pathlib.Path(_folder("dali"))
-    root = tmp / "images"
-    common.write_synthetic(str(root), 6, 2, size=16, seed=0)
-    for name in ("class9/00000.png", "class9/00001.png", "class8/00001.png"):
-        os.remove(root / "val" / name)
-    cmd = [*PYTHON_M, "--standalone", "--nproc-per-node", "2", os.path.join("examples", "train_dali.py"), "--tiny",
-           "--data", str(root), "--optimizer", "lamb", "--checkpoint", str(tmp / "dali"), "--report",
-           str(tmp / "dali.json")]
-    return [Command(cmd, ROOT, clean_env(CUDA_VISIBLE_DEVICES=""), timeout=TIMEOUT_S)]
 
 
 def _two_nodes():
@@ -81,8 +57,6 @@ def _folder(name):
 
 # Registered at collection, run in the background between other tests (tests/scripts/background.py).
 LAUNCHES = {"nodes": prelaunch("test_torchrun.py: two nodes", _two_nodes, module="test_torchrun.py")}
-if HAVE_DALI:
-    LAUNCHES["dali"] = prelaunch("test_torchrun.py: DALI example", _dali_example, module="test_torchrun.py")
 
 
 def _wait(name):
@@ -97,21 +71,6 @@ def _check_lines(output):
         rank, local, node, world, device, total = m.groups()
         found[int(rank)] = dict(local=int(local), node=int(node), world=int(world), device=device, sum=float(total))
     return found
-
-
-@pytest.mark.skipif(not HAVE_DALI, reason="needs NVIDIA DALI")
-def test_dali_example_under_python_m_torch_distributed_run_standalone_with_an_empty_batch():
-    (result,), out_dir = _wait("dali")
-    report = out_dir / "dali.json"
-    assert result.returncode == 0, result
-    assert "Address already in use" not in result.output  # the workers joined torchrun's store
-    accuracies = ACCURACY.findall(result.output)
-    assert len(accuracies) == 1, result  # printed by rank 0 only
-    with open(report) as f:
-        out = json.load(f)
-    assert out["world_size"] == 2 and out["steps"] == 3 and out["history"][0]["val_count"] == 17
-    assert float(accuracies[0]) == pytest.approx(100 * out["history"][0]["val_accuracy"], abs=0.01)
-    minidp.load_checkpoint(out["checkpoint"], common.resnet18_cifar(10, width=common.TINY["width"]))
 
 
 def test_two_nodes_with_c10d_rendezvous_pin_devices_and_go_local_rank_zero_first():
