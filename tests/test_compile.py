@@ -200,19 +200,25 @@ def _cnn_batch(gen):
     return torch.randn(4, 3, 4, 4, generator=gen), torch.randn(4, 4, generator=gen)
 
 
+# (model, order) cases of the parity run: the MLP in both orders; the CNN with BatchNorm (buffers) where dynamo
+# traces the wrapper's forward too. Each case compiles twice per rank (minidp, torch DDP): seconds of CPU each.
+PARITY_CASES = [("mlp", "ddp_of_compiled"), ("mlp", "compiled_ddp"), ("cnn_bn", "compiled_ddp")]
+
+
 def _parity_worker():
     """Per model and order: minidp's and torch DDP's weights after 3 steps, and minidp's piece counts."""
     assert torch._dynamo.config.optimize_ddp in (True, "ddp_optimizer")  # torch DDP's graph cutting is on
     out = {}
-    for name, build, batch, cap in (("mlp", DeepMLP, _mlp_batch, CAP_MB), ("cnn_bn", _cnn, _cnn_batch, 0.0002)):
-        for order in ("ddp_of_compiled", "compiled_ddp"):
-            torch._dynamo.reset()  # each case compiles afresh (and stays under dynamo's recompile limit)
-            ours = wrap("minidp", order, build(), bucket_cap_mb=cap)
-            out[name, order, "minidp"], out[name, order, "compiled nodes"] = _train(ours, batch)
-            out[name, order, "pieces"] = [s.pieces for s in ddp_of(ours)._run_module.splitters]
-            torch._dynamo.reset()
-            theirs = wrap("torch", order, build())
-            out[name, order, "torch"], out[name, order, "torch compiled nodes"] = _train(theirs, batch)
+    models = {"mlp": (DeepMLP, _mlp_batch, CAP_MB), "cnn_bn": (_cnn, _cnn_batch, 0.0002)}
+    for name, order in PARITY_CASES:
+        build, batch, cap = models[name]
+        torch._dynamo.reset()  # each case compiles afresh (and stays under dynamo's recompile limit)
+        ours = wrap("minidp", order, build(), bucket_cap_mb=cap)
+        out[name, order, "minidp"], out[name, order, "compiled nodes"] = _train(ours, batch)
+        out[name, order, "pieces"] = [s.pieces for s in ddp_of(ours)._run_module.splitters]
+        torch._dynamo.reset()
+        theirs = wrap("torch", order, build())
+        out[name, order, "torch"], out[name, order, "torch compiled nodes"] = _train(theirs, batch)
     return out
 
 
@@ -221,26 +227,29 @@ def _cnn():
     return CNNWithBatchNorm()
 
 
+# (order, cut) cases of the overlap run: the graph cut in both orders; whole (the control) in one.
+OVERLAP_CASES = [("ddp_of_compiled", True), ("compiled_ddp", True), ("compiled_ddp", False)]
+
+
 def _overlap_worker():
-    """Events of the third step per order, with the graph cut and (control) whole."""
+    """Events of the third step per case: the graph cut, and (control) whole."""
     out = {}
-    for order in ("ddp_of_compiled", "compiled_ddp"):
-        for cut in (True, False):
-            torch._dynamo.reset()
-            model = wrap("minidp", order, DeepMLP(), bucket_cap_mb=CAP_MB)
-            ddp = ddp_of(model)
-            if not cut:
-                ddp._run_module.limits = [planning.UNBOUNDED]  # one piece: the whole graph
-            timeline = ddp.enable_timeline()
-            gen = torch.Generator().manual_seed(torch.distributed.get_rank())
-            for _ in range(3):  # iteration 1 reduces in one bucket; the rebuilt layout holds from 2 on
-                timeline.events.clear()
-                loss = model(torch.randn(4, 16, generator=gen)).square().mean()
-                handles = _record_backward_nodes(loss, timeline)
-                loss.backward()
-                for handle in handles:
-                    handle.remove()
-            out[order, cut] = (timeline.snapshot(), len(ddp.bucket_plan()))
+    for order, cut in OVERLAP_CASES:
+        torch._dynamo.reset()
+        model = wrap("minidp", order, DeepMLP(), bucket_cap_mb=CAP_MB)
+        ddp = ddp_of(model)
+        if not cut:
+            ddp._run_module.limits = [planning.UNBOUNDED]  # one piece: the whole graph
+        timeline = ddp.enable_timeline()
+        gen = torch.Generator().manual_seed(torch.distributed.get_rank())
+        for _ in range(3):  # iteration 1 reduces in one bucket; the rebuilt layout holds from 2 on
+            timeline.events.clear()
+            loss = model(torch.randn(4, 16, generator=gen)).square().mean()
+            handles = _record_backward_nodes(loss, timeline)
+            loss.backward()
+            for handle in handles:
+                handle.remove()
+        out[order, cut] = (timeline.snapshot(), len(ddp.bucket_plan()))
     return out
 
 
@@ -269,8 +278,7 @@ def parity(world_size_2):
     return [rank_result["parity"] for rank_result in world_size_2]
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn_bn"])
-@pytest.mark.parametrize("order", ["ddp_of_compiled", "compiled_ddp"])
+@pytest.mark.parametrize("model, order", PARITY_CASES)
 def test_bitwise_equal_to_torch_ddp_with_compile(parity, model, order):
     assert parity[0][model, order, "torch compiled nodes"] > 0  # the reference ran compiled too
     for rank_result in parity:
@@ -280,8 +288,7 @@ def test_bitwise_equal_to_torch_ddp_with_compile(parity, model, order):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn_bn"])
-@pytest.mark.parametrize("order", ["ddp_of_compiled", "compiled_ddp"])
+@pytest.mark.parametrize("model, order", PARITY_CASES)
 def test_graph_is_cut_into_pieces(parity, model, order):
     pieces = parity[0][model, order, "pieces"]
     assert len(pieces) == 1  # one backend: the user's, wrapped once
@@ -310,11 +317,10 @@ def test_bucket_0_launches_during_backward(overlap, order):
         assert any("CompiledFunction" in name for name in later), later  # compiled backward still running
 
 
-@pytest.mark.parametrize("order", ["ddp_of_compiled", "compiled_ddp"])
-def test_control_whole_graph_has_no_backward_after_launch(overlap, order):
+def test_control_whole_graph_has_no_backward_after_launch(overlap):
     """The witness works: with the graph whole, all backward compute is over before bucket 0 launches."""
     for rank_result in overlap:
-        events, _ = rank_result[order, False]
+        events, _ = rank_result["compiled_ddp", False]
         launch0 = _first(events, "launch", bucket=0)
         assert not [f for kind, stamp, f in events if kind == "backward_node" and stamp > launch0]
 
