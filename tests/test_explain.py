@@ -1,8 +1,5 @@
 """python -m minidp.explain: real ranks, real torch DDP as the reference for the bucket layout."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -10,16 +7,6 @@ from harness import workers_forked
 from minidp.study.explain import explain, format_report, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _explain(tmp_path, *argv):
-    # The ranks fork (MINIDP_START_METHOD; the README's explain command, in test_readme.py, spawns them) from a
-    # one-thread parent (a forked child cannot use an OpenMP pool its parent started).
-    proc = subprocess.run([sys.executable, "-m", "minidp.explain", *argv, "--json", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=180, cwd=ROOT,
-                          env={**os.environ, "MINIDP_START_METHOD": "fork", "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout), proc.stderr
 
 
 def test_module_factory_find_unused_no_rebuild(tmp_path):
@@ -48,3 +35,14 @@ def test_clear_errors(capsys, argv, message):
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_ranks_fork_only_where_each_runs_one_thread(monkeypatch):
+    """One thread per rank: forked (no torch import again, no OpenMP pool to hang on); else launch() decides."""
+    from minidp.study.explain import rank_start_method
+
+    monkeypatch.delenv("MINIDP_START_METHOD", raising=False)
+    assert rank_start_method(1) == "fork"
+    assert rank_start_method(2) is None  # several threads: a fork could hang on this process's OpenMP pool
+    monkeypatch.setenv("MINIDP_START_METHOD", "spawn")
+    assert rank_start_method(1) is None  # the user's choice, applied by minidp.launch

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import re
 import sys
@@ -52,6 +53,19 @@ def check_model_runs(spec: str, batch: int, shape) -> list:
     return [(n, p.numel(), p.numel() * p.element_size()) for n, p in model.named_parameters() if p.requires_grad]
 
 
+def rank_start_method(threads: int):
+    """"fork" when each rank runs one thread and nothing else decides; else None (minidp.launch's choice).
+
+    Why: a forked rank starts with torch and the model's code already imported (a spawned one spends
+    seconds of CPU importing them again), and a rank of one thread cannot wait on an OpenMP pool this
+    process may have started (GNU OpenMP's pool does not survive a fork). $MINIDP_START_METHOD, a
+    platform without fork, or CUDA initialised here (a forked child could not use it) leave it to launch().
+    """
+    if threads != 1 or os.environ.get("MINIDP_START_METHOD") or "fork" not in multiprocessing.get_all_start_methods():
+        return None
+    return None if torch.cuda.is_initialized() else "fork"
+
+
 def explain(model: str, world_size: int = 2, bucket_cap_mb: float | None = None, batch: int = 8,
             input_shape=None, find_unused: bool = False, steps: int = 3, out_dir: str = ".",
             progress=None, timeout: float = 600.0) -> dict:
@@ -88,7 +102,8 @@ def explain(model: str, world_size: int = 2, bucket_cap_mb: float | None = None,
     import minidp
 
     with tempfile.TemporaryDirectory(prefix="minidp-explain-") as tmp:
-        minidp.launch(record.worker, nprocs=world_size, args=(cfg, tmp), timeout=timeout)
+        minidp.launch(record.worker, nprocs=world_size, args=(cfg, tmp), timeout=timeout,
+                      start_method=rank_start_method(cfg["threads"]))
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
     report = summarize(cfg, params, world_size, ranks[0])
     report["files"] = write_files(report, ranks, out_dir, progress)
