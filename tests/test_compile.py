@@ -11,11 +11,11 @@ start after bucket 0 was launched; with it whole (the control), every backward n
 import copy
 import operator
 import pickle
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from processes import fresh_interpreter_report
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -325,13 +325,7 @@ def test_control_whole_graph_has_no_backward_after_launch(overlap):
         assert not [f for kind, stamp, f in events if kind == "backward_node" and stamp > launch0]
 
 
-def _eager_step_imports():
-    model = minidp.DDP(DeepMLP(2))
-    model(torch.randn(2, 16)).sum().backward()
-    return "torch._dynamo" in sys.modules
-
-
-def test_eager_training_does_not_import_dynamo(monkeypatch):
-    """torch._dynamo costs seconds to import: minidp touches it only once a compiled module shows up."""
-    monkeypatch.setenv("MINIDP_TEST_SPAWN", "1")  # a fresh interpreter: this process and the fork server have it
-    assert run_ranks(_eager_step_imports, 1) == [False]
+def test_eager_training_does_not_import_dynamo():
+    """torch._dynamo costs seconds to import: minidp touches it only once a compiled module shows up (checked in
+    a fresh interpreter, tests/scripts/fresh_imports.py: this process has imported it)."""
+    assert fresh_interpreter_report()["dynamo_imported_by_an_eager_step"] is False

@@ -103,3 +103,19 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+_FRESH: list = []  # the report, once run
+
+
+def fresh_interpreter_report() -> dict:
+    """tests/scripts/fresh_imports.py's report: what a fresh interpreter imports (run once per session)."""
+    if not _FRESH:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fresh_imports.py")
+        proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120,
+                              env=clean_env(CUDA_VISIBLE_DEVICES=""))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        import json
+
+        _FRESH.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return _FRESH[0]
