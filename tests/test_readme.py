@@ -281,17 +281,30 @@ def check_train_lm(cmd: str) -> Callable[[str], None]:
     return check
 
 
+ACCELERATE_RUN = re.compile(r"^accelerate_minidp\.py: engine=(\w+), (\w+)\.DistributedDataParallel on 2 processes, "
+                            r"gradient_accumulation_steps=(\d), unwrap_model\(\) is the model: (\w+), last losses "
+                            r"(\[.*\]), weights ([0-9a-f]{16})$", re.M)
+
+
 def check_framework(cmd: str) -> Callable[[str], None]:
-    """The Lightning and Accelerate examples: 2 processes on minidp's wrapper, the fingerprint printed once."""
+    """The Lightning example: 2 processes on minidp's wrapper, the fingerprint printed once. The Accelerate
+    example under torchrun (issue 24's torchrun case): both engines, with and without accumulation, the same
+    weights and losses, unwrap_model() the user's module, and the script's own verdict."""
     def check(output: str) -> None:
         if "lightning_minidp.py" in cmd:
             lines = re.findall(r"^lightning_minidp\.py: strategy=minidp, 2 processes, \d+ steps, loss [\d.]+, "
                                r"weights [0-9a-f]{16}$", output, re.M)
-        else:
-            lines = re.findall(r"^accelerate_minidp\.py: engine=minidp, minidp\.DistributedDataParallel on 2 "
-                               r"processes, unwrap_model\(\) is the model: True, .* weights [0-9a-f]{16}$",
-                               output, re.M)
-        assert len(lines) == 1, output  # rank 0 only
+            assert len(lines) == 1, output  # rank 0 only
+            return
+        runs = ACCELERATE_RUN.findall(output)  # rank 0 only: one line per engine and accumulation
+        assert [run[:4] for run in runs] == [("ddp", "torch", "1", "True"), ("minidp", "minidp", "1", "True"),
+                                            ("ddp", "torch", "2", "True"), ("minidp", "minidp", "2", "True")], output
+        for torch_ddp, mini in (runs[0:2], runs[2:4]):
+            assert mini[4:] == torch_ddp[4:], output  # the gathered losses and the weights' fingerprint
+        assert runs[1][5] != runs[3][5], output  # accumulation changed the run
+        for accumulation in (1, 2):
+            assert output.count(f"accelerate_minidp.py: gradient_accumulation_steps={accumulation}: minidp's "
+                                "weights are torch DDP's, bitwise: True") == 1, output
     return check
 
 
