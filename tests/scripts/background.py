@@ -26,7 +26,9 @@ from processes import Command, Result, kill_tree
 
 # Launches running while other tests run; MINIDP_TEST_BACKGROUND=0: none (a launch then starts only when a test
 # waits for it). Whole suite on this 2-core machine (2026-12-03, the machine's speed varying by ~15% between
-# runs): 0 -> 441 s, 1 -> 389 and 415 s, 2 -> 358 s (then 409-418 s after later changes), 3 -> 428 s.
+# runs): 0 -> 441 s, 1 -> 389 and 415 s, 2 -> 358 s (then 409-418 s after later changes), 3 -> 428 s. With 2,
+# after the suite's launches were cut (evening): 398 s on a slow machine (4 torch imports in 19-20 s), 264 s
+# on a quick one (12-15 s).
 IN_BACKGROUND = int(os.environ.get("MINIDP_TEST_BACKGROUND", "2"))
 WHILE_WAITING = 2  # launches running while a test waits for one
 
