@@ -59,7 +59,10 @@ class MixedDtype(nn.Module):
         return self.b(torch.tanh(self.a(x)).double()).float()
 
 
-BUILDERS = {"mlp": MLP, "cnn_bn": CNNWithBatchNorm, "unused": UnusedBranch, "tied": Tied, "mixed": MixedDtype}
+# "wide": a 288x288 layer, 82,944 weights: above the engine's small-gradient size (layout.SMALL_GRAD_NUMEL),
+# so its gradient goes into the bucket when ready, the others at the launch.
+BUILDERS = {"mlp": MLP, "cnn_bn": CNNWithBatchNorm, "unused": UnusedBranch, "tied": Tied, "mixed": MixedDtype,
+            "wide": lambda: MLP(width=288)}
 
 
 def build(name: str, seed: int = 0) -> nn.Module:

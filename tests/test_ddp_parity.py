@@ -30,6 +30,10 @@ SCENARIOS = {
     "bucket_view": {"model": "mlp", "ddp": {"gradient_as_bucket_view": True}},
     "bucket_view_grads_kept": {"model": "cnn_bn", "ddp": {"gradient_as_bucket_view": True},
                                "set_to_none": False, "micro_steps": 2},
+    # A large gradient as a view: copied in when ready (set_to_none), or divided in place when ready (kept).
+    "bucket_view_large": {"model": "wide", "ddp": {"gradient_as_bucket_view": True}},
+    "bucket_view_large_kept": {"model": "wide", "ddp": {"gradient_as_bucket_view": True}, "set_to_none": False,
+                               "micro_steps": 2},
     "small_buckets": {"model": "mlp", "optim": "adam", "ddp": {"bucket_cap_mb": 0.002}},
     "small_buckets_unused": {"model": "unused", "ddp": {"bucket_cap_mb": 0.0005, "find_unused_parameters": True}},
     "hook_fp16": {"model": "mlp", "hook": "fp16"},

@@ -1,12 +1,14 @@
 """gradient_as_bucket_view=True: each `.grad` is its parameter's view of the bucket; a bucket kind.
 
 What it changes in the core: nothing but the bucket. torch DDP's option saves the memory of a second
-copy of the gradients and the copy back after the all-reduce: the first copy into the bucket makes
-`.grad` the bucket's view, so from the next iteration on autograd accumulates into the bucket itself;
-the copy-in then only divides in place (as DDP does: `div_`, not a multiply by the reciprocal), and
-the reduced buffer already is the gradients. Every gradient of such a bucket waits for its launch
-(layout.copy_later), where the divisions are one op over the flat buffer, not one Python-issued op
-per gradient. `ViewBucket` answers the same calls as buckets.Bucket.
+copy of the gradients and the copy back after the all-reduce: a copy into the bucket makes `.grad`
+the bucket's view, so while `.grad` is kept autograd accumulates into the bucket itself; the copy-in
+then only divides in place (as DDP does: `div_`, not a multiply by the reciprocal), and the reduced
+buffer already is the gradients. A `.grad` made outside the bucket (the first iteration, or every one
+after `zero_grad()`'s default set_to_none) is multiplied by 1/N while copied in, in one pass, as DDP
+does. Large gradients are handled when ready, as in DDP; small ones wait for the launch
+(layout.copy_later) and are done as one op over the flat buffer where all of a bucket's waited, not
+one Python-issued op each. `ViewBucket` answers the same calls as buckets.Bucket.
 """
 from __future__ import annotations
 
@@ -25,6 +27,15 @@ class ViewBucket(Bucket):
             if params[i].grad is not None:
                 self.views[slot].copy_(params[i].grad)
                 params[i].grad = self.views[slot]
+
+    def copy_in(self, slot: int, param, grad: torch.Tensor, divisor: Divisor | None) -> None:
+        """One large gradient, when ready: divided in place if it is the view, else copied in and made the view."""
+        view = self.views[slot]
+        if grad.data_ptr() != view.data_ptr():
+            super().copy_in(slot, param, grad, divisor)  # multiplied by 1/N while copying, as DDP
+            param.grad = view
+        elif divisor is not None:
+            view.div_(divisor.value)
 
     def copy_later(self, waiting: list, divisor: Divisor | None) -> None:
         """At launch: divide the gradients already in the bucket in place, copy in the others (`.grad` -> view)."""

@@ -28,7 +28,7 @@ class BucketLayout:
         needs_rebuild: torch's `static_graph or not find_unused_parameters`: rebuild once, in ready order.
         process_group: the group whose rank 0's order is adopted (None: the world).
         allocate: build buffers (False at world size 1 on the default path: the plan alone).
-        as_view: gradient_as_bucket_view (every gradient then waits for its bucket's launch: grad_views.py).
+        as_view: gradient_as_bucket_view (the buckets' views are the `.grad`s: grad_views.py).
     """
 
     def __init__(self, params, names, sparse, *, bucket_cap_mb, needs_rebuild, process_group, allocate, as_view):
@@ -39,9 +39,8 @@ class BucketLayout:
         from .autocap import AutoCap  # a feature beside the core
         self.tuner = AutoCap() if bucket_cap_mb == "auto" else None
         self.cap = self.tuner.cap if self.tuner else bucket_cap_mb  # the cap in use
-        # The one place that decides: small dense gradients (all, as views) wait for launch, then one batch.
-        self.copy_later = [not is_sparse and (as_view or p.numel() < SMALL_GRAD_NUMEL)
-                           for p, is_sparse in zip(params, sparse)]
+        # The one place that decides: small dense gradients wait for launch, then one batch (views too).
+        self.copy_later = [not is_sparse and p.numel() < SMALL_GRAD_NUMEL for p, is_sparse in zip(params, sparse)]
         limits = planning.bucket_limits(self.cap, first_iteration=True, needs_rebuild=needs_rebuild)
         self.adopt(planning.plan_initial(*self._sizes_and_keys(), limits, sparse))
 
