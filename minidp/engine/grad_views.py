@@ -23,6 +23,7 @@ class ViewBucket(Bucket):
     def __init__(self, index: int, param_indices: list[int], params: list):
         super().__init__(index, param_indices, params)
         self.params = params
+        self.view_ptrs = [view.data_ptr() for view in self.views]  # fixed: the buffer lives as long as the bucket
         for slot, i in enumerate(self.param_indices):  # a new layout adopts the existing gradients, as DDP's
             if params[i].grad is not None:
                 self.views[slot].copy_(params[i].grad)
@@ -30,32 +31,34 @@ class ViewBucket(Bucket):
 
     def copy_in(self, slot: int, param, grad: torch.Tensor, divisor: Divisor | None) -> None:
         """One large gradient, when ready: divided in place if it is the view, else copied in and made the view."""
-        view = self.views[slot]
-        if grad.data_ptr() != view.data_ptr():
+        if grad.data_ptr() != self.view_ptrs[slot]:
             super().copy_in(slot, param, grad, divisor)  # multiplied by 1/N while copying, as DDP
-            param.grad = view
+            param.grad = self.views[slot]
         elif divisor is not None:
-            view.div_(divisor.value)
+            self.views[slot].div_(divisor.value)
 
     def copy_later(self, waiting: list, divisor: Divisor | None) -> None:
         """At launch: divide the gradients already in the bucket in place, copy in the others (`.grad` -> view)."""
-        copied = [(slot, grad) for slot, grad in waiting if grad.data_ptr() != self.views[slot].data_ptr()]
+        copied, in_place = [], []
+        for slot, grad in waiting:
+            (in_place if grad.data_ptr() == self.view_ptrs[slot] else copied).append((slot, grad))
         if copied:  # a gradient made outside the bucket (first iteration, or .grad set to None)
             super().copy_later(copied, divisor)  # multiplied by 1/N while copying, as DDP
             for slot, _ in copied:
                 self.params[self.param_indices[slot]].grad = self.views[slot]
-        in_place = [self.views[slot] for slot, grad in waiting if grad.data_ptr() == self.views[slot].data_ptr()]
         if divisor is not None and len(in_place) == len(self.views):
-            self.buffer.div_(divisor.value)  # the usual step: one op over the flat buffer
+            self.buffer.div_(divisor.value)  # every slot waited, in place: one op over the flat buffer
         elif divisor is not None and in_place:
-            torch._foreach_div_(in_place, divisor.value)
+            torch._foreach_div_([self.views[slot] for slot, _ in in_place], divisor.value)
 
     def write_back(self, result: torch.Tensor, params: list, unused: set) -> None:
+        hooked = result is not self.buffer  # a comm hook's result in another tensor
         for slot, i in enumerate(self.param_indices):
             if i in unused:
                 continue
             view = self.views[slot]
-            if result is not self.buffer:  # a comm hook's result in another tensor
+            if hooked:
                 view.copy_(flat_view(result, self.offsets[slot], params[i]))
-            if params[i].grad is None or params[i].grad.data_ptr() != view.data_ptr():
+            grad = params[i].grad
+            if grad is None or grad.data_ptr() != self.view_ptrs[slot]:
                 params[i].grad = view
