@@ -1,10 +1,10 @@
 """Smoke tests of the benchmark scripts (--quick, into a tmp dir) and of the timeline exporters.
 
 No timing assertions: only that the outputs exist and hold sane numbers (speed lives in
-benchmarks/RESULTS.md). timeline.py runs as a real command (its workers spawned, as in every
-benchmark run); compare_ddp.py --quick runs meanwhile through its main() in this process, with its
-workers forked from it (tests/harness.py): the same jobs and report, without paying ~7 s of CPU per
-worker for importing torch and torch._dynamo again on this 2-core machine.
+benchmarks/RESULTS.md). compare_ddp.py --quick and timeline.py --quick run through their main() in this
+process, with their workers forked from it (tests/harness.py): the same jobs and files, without paying
+seconds of CPU per process for importing torch and torch._dynamo again on this 2-core machine. (The
+benchmark scripts that run as real commands are in test_comm_bench.py: gpu_check.py and compression.py.)
 """
 import contextlib
 import io
@@ -24,8 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
 import compare_ddp  # noqa: E402 - benchmarks/ is not a package
+import timeline  # noqa: E402
 from plot_timeline import plot_timelines  # noqa: E402 - benchmarks/ holds the drawing
-from processes import Command, clean_env  # noqa: E402
+from processes import clean_env  # noqa: E402
 
 WORKLOADS = ("mlp", "resnet18", "deep300")
 # The benchmark scripts' minidp.launch forks its workers (no second import of torch in each): what is tested
@@ -54,21 +55,11 @@ def _is_positive(x):
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-@pytest.fixture(scope="module")
-def timeline_started(tmp_path_factory):
-    """`python benchmarks/timeline.py --quick ...`, started in the background; yields (Command, stem)."""
-    out = tmp_path_factory.mktemp("timeline")
-    cmd = Command([sys.executable, os.path.join(ROOT, "benchmarks", "timeline.py"), "--quick", "--out", str(out),
-                   "--bucket-cap-mb", "0.01", "--steps", "3"], ROOT, FORKED, timeout=240)
-    yield cmd, out / "results" / "timeline_mlp_cpu"
-    cmd.wait()  # kills its process tree if it still runs (a test failed before waiting for it)
-
-
 # ---- compare_ddp.py --quick ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def quick_compare(tmp_path_factory, timeline_started):
-    out = tmp_path_factory.mktemp("compare")  # the timeline command runs meanwhile (the cores are shared)
+def quick_compare(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
     stdout = _compare_main("--quick", "--out", str(out))
     with open(out / "results" / "compare_ddp_cpu.json") as f:
         return out, json.load(f), stdout
@@ -143,11 +134,12 @@ def test_hook_cost_quick(tmp_path):
 # ---- timeline.py --quick ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def quick_timeline(timeline_started):
-    cmd, stem = timeline_started
-    result = cmd.wait()
-    assert result.returncode == 0, result
-    return stem
+def quick_timeline(tmp_path_factory):
+    """timeline.main() of `python benchmarks/timeline.py --quick ...`; the stem of the files it writes."""
+    out = tmp_path_factory.mktemp("timeline")
+    with workers_forked(), contextlib.redirect_stdout(io.StringIO()):
+        assert timeline.main(["--quick", "--out", str(out), "--bucket-cap-mb", "0.01", "--steps", "3"]) == 0
+    return out / "results" / "timeline_mlp_cpu"
 
 
 def test_timeline_event_order(quick_timeline):

@@ -168,13 +168,16 @@ def test_backend_of_a_compiled_module_is_the_one_given_to_torch_compile():
 
 
 def test_runner_copies_compile_again():
+    """A deep copy and an unpickled copy drop the compiled graphs; the unpickled one compiles again, to the
+    same result (one compile of the copies: each costs a second or more of this process's CPU)."""
     runner = graph_split.ModuleRunner(torch.compile(DeepMLP(), backend=BACKEND), CAP_MB)
     x = torch.randn(4, 16)
     expected = runner(x)
-    for clone in (copy.deepcopy(runner), pickle.loads(pickle.dumps(runner))):
+    deep, unpickled = copy.deepcopy(runner), pickle.loads(pickle.dumps(runner))
+    for clone in (deep, unpickled):
         assert clone.compiled == {} and clone.callback is None
-        assert torch.equal(clone(x), expected)
-        assert [s.pieces for s in clone.splitters] == [[5]]
+    assert torch.equal(unpickled(x), expected)
+    assert [s.pieces for s in unpickled.splitters] == [[5]]
 
 
 # ---- world size 2: parity with torch DDP + torch.compile, overlap by event order -----------------
