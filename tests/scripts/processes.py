@@ -9,6 +9,7 @@ before anything is killed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -115,7 +116,5 @@ def fresh_interpreter_report() -> dict:
         proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120,
                               env=clean_env(CUDA_VISIBLE_DEVICES=""))
         assert proc.returncode == 0, proc.stderr[-3000:]
-        import json
-
         _FRESH.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     return _FRESH[0]
