@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import re
 import sys
@@ -59,9 +58,10 @@ def rank_start_method(threads: int):
     Why: a forked rank starts with torch and the model's code already imported (a spawned one spends
     seconds of CPU importing them again), and a rank of one thread cannot wait on an OpenMP pool this
     process may have started (GNU OpenMP's pool does not survive a fork). $MINIDP_START_METHOD, a
-    platform without fork, or CUDA initialised here (a forked child could not use it) leave it to launch().
+    platform other than Linux (macOS makes spawn the default: system libraries there are not fork-safe),
+    or CUDA initialised here (a forked child could not use it) leave it to launch().
     """
-    if threads != 1 or os.environ.get("MINIDP_START_METHOD") or "fork" not in multiprocessing.get_all_start_methods():
+    if threads != 1 or os.environ.get("MINIDP_START_METHOD") or not sys.platform.startswith("linux"):
         return None
     return None if torch.cuda.is_initialized() else "fork"
 
