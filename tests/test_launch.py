@@ -218,4 +218,3 @@ def test_the_launcher_and_simulate_start_without_torch():
     assert report["torch_imported_by_the_launcher"] is False
     assert report["launch_module"] == "minidp.launch" and report["ddp_name"] == "DistributedDataParallel"
     assert report["hooks_is_the_engines"] is True
-

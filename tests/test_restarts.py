@@ -48,18 +48,20 @@ STEPS = 40  # the restarted runs' length; rank 1 is killed halfway
 
 def _command(name, out):
     """The command line of one scenario, writing into the folder `out`."""
-    if name == "gives_up":
-        return [*RUN, "--max-restarts", "1", _failing_script(out)]
-    kill = ["--steps", str(STEPS), "--kill-at", str(STEPS // 2)]
+    kill = [TRAIN, out, "--steps", str(STEPS), "--kill-at", str(STEPS // 2)]
     stuck = [STUCK, out, "--timeout", str(STUCK_TIMEOUT)]
-    return {
-        "torchrun": [TORCHRUN, "--nproc-per-node", "2", "--max-restarts", "1", "--master-port", str(free_port()),
-                     TRAIN, out, *kill],
-        "run": [*RUN, "--max-restarts", "1", TRAIN, out, *kill],
-        "stuck_run": [*RUN, *stuck],
-        "stuck_torchrun": [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), *stuck],
-        "stuck_launch": [sys.executable, STUCK, out, "--timeout", "5", "--launch"],
-    }[name]
+    torchrun = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port())]
+    if name == "torchrun":
+        return [*torchrun, "--max-restarts", "1", *kill]
+    if name == "run":
+        return [*RUN, "--max-restarts", "1", *kill]
+    if name == "stuck_run":
+        return [*RUN, *stuck]
+    if name == "stuck_torchrun":
+        return [*torchrun, *stuck]
+    if name == "stuck_launch":
+        return [sys.executable, STUCK, out, "--timeout", "5", "--launch"]
+    return [*RUN, "--max-restarts", "1", _failing_script(out)]  # gives_up
 
 
 def _failing_script(folder):
