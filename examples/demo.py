@@ -21,7 +21,7 @@ import time
 
 import train_torchvision
 
-from minidp.checkpoint import read_checkpoint
+from minidp.train.checkpoint import read_checkpoint
 
 WARM = train_torchvision.WARM_STEPS + 1  # first step counted in the median (1-based)
 ENGINES = ("minidp", "ddp")

@@ -3,29 +3,37 @@
 The public names below are imported on first use (PEP 562), so that `python -m minidp.run`, the
 launcher, starts without importing torch: torch costs seconds of CPU per process, and a launcher
 only starts, watches and restarts workers. `import minidp; minidp.DDP` works as always.
+
+The package by layer (each folder's __init__ lists its files; tests/test_layout.py checks the arrows,
+which point down this list only):
+  study/, integrations/          explain and simulate; Lightning and Accelerate
+  comm/, train/, data/, sharded/ research communication; training helpers; samplers and DALI; sharding
+  engine/                        DDP
+  runtime/                       inside a rank: init, backend, rendezvous, rank helpers, watchdog
+  launcher/                      spawn, supervise, restart (no torch)
+  validate.py                    argument checks, imported by all
+Beside them, one-line public names: run.py explain.py simulate.py (`python -m minidp.X`), hooks.py,
+lightning.py, accelerate.py.
 """
 import importlib
 
-# Imported now: the function launch() has the name of its module, minidp/launch.py, and an import of
-# that module (`from minidp.launch import free_port`) would otherwise leave the module at minidp.launch.
-# (It imports no torch.)
-from .launch import WorkerFailed as WorkerFailed
-from .launch import launch as launch
-
 # public name -> the module that defines it (relative to this package)
 _PUBLIC = {
-    "comm": ".comm", "data": ".data", "lr": ".lr", "optim": ".optim", "hooks": ".hooks",
-    "load_checkpoint": ".checkpoint", "save_checkpoint": ".checkpoint",
+    "comm": ".comm", "data": ".data", "hooks": ".hooks",
+    "lr": ".train.lr", "optim": ".train.optim",
+    "launch": ".launcher.spawn", "WorkerFailed": ".launcher.supervisor",
+    "load_checkpoint": ".train.checkpoint", "save_checkpoint": ".train.checkpoint",
     "DistributedSampler": ".data.sampler",
     "DDP": ".engine.ddp", "DistributedDataParallel": ".engine.ddp",
     "Timeline": ".engine.timeline",
-    "DistEnv": ".env", "init": ".env", "shutdown": ".env",
-    "all_reduce_sums": ".metrics",
-    "barrier": ".ranks", "get_logger": ".ranks", "get_rank": ".ranks", "get_world_size": ".ranks",
-    "is_main": ".ranks", "local_rank_zero_first": ".ranks", "print0": ".ranks",
-    "SyncBatchNorm": ".syncbn", "convert_sync_batchnorm": ".syncbn",
+    "DistEnv": ".runtime.env", "init": ".runtime.env", "shutdown": ".runtime.env",
+    "all_reduce_sums": ".train.metrics",
+    "barrier": ".runtime.ranks", "get_logger": ".runtime.ranks", "get_rank": ".runtime.ranks",
+    "get_world_size": ".runtime.ranks", "is_main": ".runtime.ranks", "local_rank_zero_first": ".runtime.ranks",
+    "print0": ".runtime.ranks",
+    "SyncBatchNorm": ".train.syncbn", "convert_sync_batchnorm": ".train.syncbn",
 }
-__all__ = sorted([*_PUBLIC, "WorkerFailed", "launch"])
+__all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
 
 

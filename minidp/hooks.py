@@ -1,10 +1,6 @@
-"""`minidp.hooks`, the public name of minidp.engine.hooks (GradBucket, the default all-reduce hook).
+"""`minidp.hooks`: the comm-hook contract, GradBucket and the default all-reduce hook.
 
-`import minidp.hooks`, `from minidp.hooks import GradBucket` and `minidp.hooks` all give the engine's
-module itself, not a copy, so its names have one home.
+Their home is minidp/engine/hooks.py (the engine's first read); this module gives them their public name.
 """
-import sys
-
-from .engine import hooks as _engine_hooks
-
-sys.modules[__name__] = _engine_hooks
+from minidp.engine.hooks import *  # noqa: F401, F403
+from minidp.engine.hooks import __all__  # noqa: F401

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import minidp
 
-_launch_module = importlib.import_module("minidp.launch")  # the module (minidp.launch is the function)
+_launch_module = importlib.import_module("minidp.launcher.spawn")  # the module of minidp.launch
 _IMPORTED_BY = os.getpid()
 _LAUNCH_VARS = tuple(_launch_module.worker_env(0, 1, 1, 0, "127.0.0.1", 1))  # what launch() sets in a worker
 # What the fork server imports once, before it forks any worker (it starts at its first use).

@@ -3,23 +3,29 @@
 One rule for where a bad-input case lives: in the test file of the module that raises it
 (test_sampler.py, test_lr.py, test_optim.py, test_launch.py, test_dali.py, test_env.py,
 test_ddp_behaviour.py, test_checkpoint.py, test_syncbn.py, ...), next to that module's other tests.
-This table holds the modules without one: minidp/ranks.py and minidp/metrics.py.
+This table holds the modules without one: minidp/runtime/ranks.py and minidp/train/metrics.py.
 
 Everything here fails before any collective, so no process group is needed.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import minidp
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 CASES = [
     # (id, call, exception, words that must appear in the message)
-    # minidp/ranks.py
+    # minidp/runtime/ranks.py
     ("barrier group", lambda: minidp.barrier(group="world"), TypeError, ["group='world'"]),
     ("local_rank_zero_first group", lambda: minidp.local_rank_zero_first(group=3).__enter__(), TypeError,
      ["group=3"]),
     ("get_logger name", lambda: minidp.get_logger(name=5), TypeError, ["name=5"]),
-    # minidp/metrics.py
+    # minidp/train/metrics.py
     ("all_reduce_sums values", lambda: minidp.all_reduce_sums([1, 2]), TypeError, ["values=[1, 2]", "mapping"]),
     ("all_reduce_sums tensor", lambda: minidp.all_reduce_sums({"x": torch.ones(2)}), ValueError,
      ["x is a tensor of shape (2,)"]),
@@ -36,3 +42,25 @@ def test_bad_input_is_named(call, error, words):
     for word in words:
         assert word in str(info.value), str(info.value)
 
+
+
+# ----------------------------------------------------------------------------- minidp.DDP's keywords
+@pytest.mark.parametrize("keyword, suggestion", [("bucket_size_mb", "bucket_cap_mb"),
+                                                 ("find_unused_params", "find_unused_parameters"),
+                                                 ("no_such_option", None)])
+def test_ddp_unknown_keyword_is_a_type_error_as_in_torch(keyword, suggestion):
+    with pytest.raises(TypeError) as info:
+        minidp.DDP(torch.nn.Linear(2, 2), **{keyword: 25})  # fails before it looks for a process group
+    assert f"__init__() got an unexpected keyword argument '{keyword}'" in str(info.value)
+    assert (f"did you mean '{suggestion}'?" in str(info.value)) if suggestion else "did you mean" not in str(info.value)
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{keyword}'"):  # torch DDP's words
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2), **{keyword: 25})
+
+
+@pytest.mark.parametrize("keyword, value", [("mixed_precision", "bf16"), ("bucket_cap_mb_list", [1, 25]),
+                                            ("skip_all_reduce_unused_params", True),
+                                            ("delay_all_reduce_named_params", [("w", None)]),
+                                            ("param_to_hook_all_reduce", "w")])
+def test_ddp_keyword_of_torch_ddp_that_minidp_lacks_is_refused_by_name(keyword, value):
+    with pytest.raises(ValueError, match=f"minidp.DDP does not support {keyword}="):
+        minidp.DDP(torch.nn.Linear(2, 2), **{keyword: value})

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import minidp
 from harness import run_ranks
-from minidp.checkpoint import HEADER_BYTES, read_verified
+from minidp.train.checkpoint import HEADER_BYTES, read_verified
 
 # ---- integrity and atomic replacement (one process) --------------------------------------------
 
@@ -57,7 +57,7 @@ def test_rng_restored_bitwise_whatever_map_location(tmp_path, map_location):
     _draws()  # move every generator on
     minidp.load_checkpoint(path, model, map_location=map_location)
     assert _draws() == expected  # torch, python and numpy generators, bitwise
-    (state,) = minidp.checkpoint.read_checkpoint(path)["rng"]
+    (state,) = minidp.train.checkpoint.read_checkpoint(path)["rng"]
     assert state["torch"].dtype == torch.uint8 and ("cuda" in state) == torch.cuda.is_available()
 
 

@@ -77,7 +77,7 @@ def test_collective_device_follows_the_module_under_nccl_only(monkeypatch):
 
 
 def test_metrics_sum_on_the_device_the_caller_names(monkeypatch):
-    from minidp import metrics
+    from minidp.train import metrics
 
     seen = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)

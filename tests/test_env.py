@@ -7,8 +7,8 @@ import torch
 from torch.distributed import constants
 
 import minidp
-from minidp import env as env_module
-from minidp.env import DistEnv, _as_timedelta, choose_backend, resolve_env
+from minidp.runtime import env as env_module
+from minidp.runtime.env import DistEnv, _as_timedelta, choose_backend, resolve_env
 
 TORCHRUN = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
             "GROUP_RANK": "1", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"}

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from minidp.launch import free_port
+from minidp.launcher.spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")

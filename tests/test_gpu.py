@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import minidp
-import minidp.syncbn as syncbn
+import minidp.train.syncbn as syncbn
 from harness import run_ranks
 from minidp.engine import timeline as timeline_module
 from minidp.engine.collectives import all_gather_objects, check_same_across_ranks

@@ -13,7 +13,7 @@ from processes import fresh_interpreter_report
 
 import minidp
 from harness import assert_dead, run_ranks, write_pid
-from minidp.launch import free_port
+from minidp.launcher.spawn import free_port
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
@@ -216,5 +216,5 @@ def test_the_launcher_and_simulate_start_without_torch():
     CPU a process), while minidp.DDP still works as an attribute (a fresh interpreter: processes.py)."""
     report = fresh_interpreter_report()
     assert report["torch_imported_by_the_launcher"] is False
-    assert report["launch_module"] == "minidp.launch" and report["ddp_name"] == "DistributedDataParallel"
-    assert report["hooks_is_the_engines"] is True
+    assert report["launch_module"] == "minidp.launcher.spawn" and report["ddp_name"] == "DistributedDataParallel"
+    assert report["hooks_names_are_the_engines"] is True

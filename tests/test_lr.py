@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from minidp import lr
+from minidp.train import lr
 
 
 def test_scaled_lr():

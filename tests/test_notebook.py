@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import minidp
-from minidp.launch import start_method
+from minidp.launcher.spawn import start_method
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "examples", "walkthrough.ipynb")

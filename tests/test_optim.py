@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from minidp.optim import LAMB, LARS, NovoGrad, exclude_bias_and_norm
+from minidp.train.optim import LAMB, LARS, NovoGrad, exclude_bias_and_norm
 
 F64 = torch.float64
 TOL = 1e-12

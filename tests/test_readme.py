@@ -49,7 +49,7 @@ from typing import Callable, List, Optional
 
 import pytest
 
-from minidp.launch import free_port
+from minidp.launcher.spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")

@@ -22,10 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidp import watchdog
-from minidp.env import resolve_env, settle_threads
-from minidp.launch import free_port
-from minidp.rendezvous import attempt_prefix
+from minidp.launcher.spawn import free_port
+from minidp.runtime import watchdog
+from minidp.runtime.env import resolve_env, settle_threads
+from minidp.runtime.rendezvous import attempt_prefix
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")

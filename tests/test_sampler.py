@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from harness import run_ranks
 from minidp.data.sampler import DistributedSampler
-from minidp.metrics import all_reduce_sums
+from minidp.train.metrics import all_reduce_sums
 
 SETTINGS = settings(max_examples=150, deadline=None)
 

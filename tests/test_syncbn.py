@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 import minidp
-import minidp.syncbn as syncbn
+import minidp.train.syncbn as syncbn
 from harness import run_ranks
-from minidp.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from minidp.train.syncbn import SyncBatchNorm, convert_sync_batchnorm
 
 TOL = 1e-10
 F64 = torch.float64
@@ -288,7 +288,7 @@ def _small_model():
 
 def _ddp_worker():
     """minidp.DDP + SyncBatchNorm + LARS on 2 x 4 samples against one process on the 8 samples."""
-    from minidp.optim import LARS, exclude_bias_and_norm
+    from minidp.train.optim import LARS, exclude_bias_and_norm
 
     rank, ref = dist.get_rank(), _small_model()
     ours = minidp.DDP(convert_sync_batchnorm(_small_model()))
@@ -313,7 +313,7 @@ def test_the_fused_all_gather_uses_torchs_current_name_without_a_warning(monkeyp
     """torch 2.14 deprecates dist.all_gather_into_tensor (a FutureWarning) for dist.all_gather_single."""
     import warnings
 
-    from minidp import syncbn_autograd
+    from minidp.train import syncbn_autograd
 
     calls = []
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)

@@ -23,8 +23,8 @@ import sys
 
 import pytest
 
-from minidp.env import _agent_store_serves, resolve_env
-from minidp.launch import free_port
+from minidp.launcher.spawn import free_port
+from minidp.runtime.env import _agent_store_serves, resolve_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")

@@ -43,7 +43,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..ranks import get_local_rank, get_rank, get_world_size
+from ..runtime.ranks import get_local_rank, get_rank, get_world_size
 from ..validate import check_bool, check_choice, check_int
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # torchvision's Normalize constants, for images in [0, 1]

@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sized
 import torch
 from torch.utils.data import Sampler
 
-from ..ranks import get_rank, get_world_size
+from ..runtime.ranks import get_rank, get_world_size
 from ..validate import check_bool, check_choice, check_int
 
 EPOCH_MODES = ("manual", "auto", "strict")

@@ -6,6 +6,8 @@ another rank never starts.
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 
 import torch.distributed as dist
@@ -13,6 +15,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from ..validate import check_bool, check_number
+from .hooks import Transport
 
 
 def group_of_mesh(device_mesh, process_group):
@@ -48,16 +51,35 @@ def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupport
         if not math.isfinite(bucket_cap_mb):
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be finite (a number of MiB)")
     for name, value in unsupported.items():
+        check_keyword(name)
         if value not in (None, False):
             raise ValueError(f"minidp.DDP does not support {name}={value!r}")
+
+
+def check_keyword(name: str) -> None:
+    """A keyword minidp.DDP lacks: TypeError unless torch DDP has it (a misspelt keyword fails as in torch).
+
+    torch DDP's own keywords that minidp lacks (mixed_precision, bucket_cap_mb_list, ...) pass here: the
+    caller refuses them by name unless left at their defaults, so a script that spells out torch's
+    defaults still runs.
+    """
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    if name in inspect.signature(TorchDDP.__init__).parameters:
+        return
+    from .ddp import DistributedDataParallel  # here: ddp.py imports this module
+
+    accepted = [k for k in inspect.signature(DistributedDataParallel.__init__).parameters if k != "self"]
+    close = difflib.get_close_matches(name, accepted, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise TypeError(f"DistributedDataParallel.__init__() got an unexpected keyword argument {name!r}{hint}")
 
 
 def check_transport(transport, module: nn.Module, process_group):
     """The transport for the default all-reduce (None: process_group): a minidp.comm one, for this module's ranks."""
     if transport is None:
         return None
-    from ..comm.transports import Transport  # here: minidp.comm is not needed by the plain engine
-    if not isinstance(transport, Transport):
+    if not isinstance(transport, Transport):  # the engine's protocol: world_size, check_device, all_reduce
         raise TypeError(f"transport={transport!r} must be a minidp.comm transport (comm.TorchDist(), "
                         "comm.CupyNccl()) or None")
     if transport.world_size != dist.get_world_size(process_group):

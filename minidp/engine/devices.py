@@ -74,5 +74,5 @@ def check_sync_batchnorm(module: torch.nn.Module, device: torch.device | None) -
     if device is not None and device.type == "cpu" and any(
             isinstance(layer, torch.nn.SyncBatchNorm) for layer in module.modules()):
         raise ValueError("SyncBatchNorm layers only work with GPU modules (torch.nn.SyncBatchNorm, as in "
-                         "torch DDP); on the CPU, convert with minidp.syncbn.convert_sync_batchnorm(model), "
+                         "torch DDP); on the CPU, convert with minidp.convert_sync_batchnorm(model), "
                          "which runs on gloo")

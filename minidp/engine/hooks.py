@@ -19,8 +19,12 @@ Example: a hook that averages in fp16 through the default process group.
 """
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 import torch.distributed as dist
+
+__all__ = ["GradBucket", "Transport", "allreduce_sum_hook"]
 
 
 class GradBucket:
@@ -67,3 +71,20 @@ def allreduce_sum_hook(process_group, bucket: GradBucket) -> torch.futures.Futur
     work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)  # ranks meet here (async)
     return work.get_future()
 
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """What the engine needs of a `transport=` (the wires of the default all-reduce; minidp.comm has some).
+
+    The engine only knows this shape, so it never imports minidp.comm: any object with these members
+    works (minidp.comm.TorchDist and CupyNccl have them).
+    """
+
+    world_size: int
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ValueError if this transport cannot carry tensors of `device`."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        """Start summing `tensor` over the ranks, in place; the future's value is the tensor (or [tensor])."""

@@ -1,4 +1,4 @@
-"""Where this rank is in its step, for the watchdog that names a stuck or lost rank (minidp/watchdog.py).
+"""Where this rank is in its step, for the watchdog that names a stuck or lost rank (minidp/runtime/watchdog.py).
 
 What it changes in the core: while no timeline records, the reducer's recorder (timeline.py's slot)
 is a `ProgressRecorder`, and the wrapper has a forward pre-hook and a forward hook. They write three
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..watchdog import current
+from ..runtime.watchdog import current
 from .timeline import RecorderOff
 
 

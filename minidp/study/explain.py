@@ -20,6 +20,7 @@ import tempfile
 
 import torch
 
+from ..launcher.spawn import launch
 from ..validate import check_bool, check_int, check_number
 from . import record
 
@@ -99,11 +100,9 @@ def explain(model: str, world_size: int = 2, bucket_cap_mb: float | None = None,
            "batch": batch, "input_shape": shape, "threads": max(1, (os.cpu_count() or 1) // world_size),
            "timeout": min(timeout, 300.0), "sys_path": [os.getcwd()] + sys.path}
     progress(f"starting {world_size} CPU rank(s): {steps} steps under minidp, then {steps} under torch DDP")
-    import minidp
-
     with tempfile.TemporaryDirectory(prefix="minidp-explain-") as tmp:
-        minidp.launch(record.worker, nprocs=world_size, args=(cfg, tmp), timeout=timeout,
-                      start_method=rank_start_method(cfg["threads"]))
+        launch(record.worker, nprocs=world_size, args=(cfg, tmp), timeout=timeout,
+               start_method=rank_start_method(cfg["threads"]))
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
     report = summarize(cfg, params, world_size, ranks[0])
     report["files"] = write_files(report, ranks, out_dir, progress)

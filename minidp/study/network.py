@@ -138,7 +138,7 @@ def measure_allreduce(world_size: int = 2, sizes=SWEEP_BYTES, repeats: int = 10,
 
     import torch
 
-    from ..launch import launch
+    from ..launcher.spawn import launch
 
     check_int("world_size", world_size, 2)
     with tempfile.TemporaryDirectory(prefix="minidp-sweep-") as tmp:
@@ -154,7 +154,7 @@ def _sweep_worker(local_rank: int, sizes: list, repeats: int, out_dir: str) -> N
     import torch
     import torch.distributed as dist
 
-    from ..env import init, shutdown
+    from ..runtime.env import init, shutdown
 
     torch.set_num_threads(1)
     env = init(backend="gloo", timeout=120)

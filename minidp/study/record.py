@@ -14,7 +14,8 @@ import time
 import torch
 from torch import nn
 
-import minidp
+from ..engine.ddp import DistributedDataParallel
+from ..runtime.env import init, shutdown
 
 
 def build_model(spec: str) -> nn.Module:
@@ -73,7 +74,7 @@ def _seeded_model(cfg) -> nn.Module:
 
 def run_minidp(cfg, x, progress) -> dict:
     """Plans and timeline events of each step; the plan a step used is read after its forward."""
-    model = minidp.DDP(_seeded_model(cfg), bucket_cap_mb=cfg["bucket_cap_mb"],
+    model = DistributedDataParallel(_seeded_model(cfg), bucket_cap_mb=cfg["bucket_cap_mb"],
                        find_unused_parameters=cfg["find_unused"])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     plans, events = [], []
@@ -132,7 +133,7 @@ def worker(local_rank: int, cfg: dict, out_dir: str) -> None:
     """One rank: minidp, then torch DDP, on the same input; results saved as rank<r>.pt."""
     torch.set_num_threads(cfg["threads"])
     sys.path[:0] = [p for p in cfg["sys_path"] if p not in sys.path]  # for module:factory models
-    env = minidp.init(backend="gloo", timeout=cfg["timeout"])
+    env = init(backend="gloo", timeout=cfg["timeout"])
 
     def progress(text):
         if env.rank == 0:
@@ -141,4 +142,4 @@ def worker(local_rank: int, cfg: dict, out_dir: str) -> None:
     x = make_input(cfg["batch"], cfg["input_shape"], env.rank)
     result = {"minidp": run_minidp(cfg, x, progress), "ddp": run_torch_ddp(cfg, x, progress)}
     torch.save(result, os.path.join(out_dir, f"rank{env.rank}.pt"))
-    minidp.shutdown()
+    shutdown()

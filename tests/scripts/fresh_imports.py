@@ -23,7 +23,11 @@ import minidp.study.time_to_target  # noqa: E402, F401
 report["torch_imported_by_the_launcher"] = "torch" in sys.modules
 report["launch_module"] = minidp.launch.__module__
 report["ddp_name"] = minidp.DDP.__name__  # loads torch and the engine now
-report["hooks_is_the_engines"] = minidp.hooks is sys.modules["minidp.engine.hooks"]
+engine_hooks = sys.modules["minidp.engine.hooks"]
+# minidp.hooks is a module of its own (no sys.modules swap) that gives the engine's names, not copies
+report["hooks_names_are_the_engines"] = (minidp.hooks is not engine_hooks and minidp.hooks.__all__ == engine_hooks.__all__
+                                         and all(getattr(minidp.hooks, n) is getattr(engine_hooks, n)
+                                                 for n in engine_hooks.__all__))
 
 import minidp.data  # noqa: E402
 import minidp.data.sampler  # noqa: E402, F401
@@ -36,7 +40,7 @@ except ImportError as e:
 
 import torch  # noqa: E402
 
-from minidp.launch import free_port  # noqa: E402
+from minidp.launcher.spawn import free_port  # noqa: E402
 
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                   MASTER_PORT=str(free_port()))

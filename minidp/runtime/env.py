@@ -21,10 +21,10 @@ from typing import Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
+from ..validate import check_int
 from . import watchdog
 from .backend import BACKEND_VARIABLE, KNOWN_BACKENDS, as_timedelta, check_nccl, choose_backend, default_backend
 from .rendezvous import agent_store_serves, rendezvous_store
-from .validate import check_int
 
 # Their names before backend.py and rendezvous.py were split out of this module (tests import them).
 _as_timedelta, _agent_store_serves = as_timedelta, agent_store_serves

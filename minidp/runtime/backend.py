@@ -12,7 +12,7 @@ from typing import Mapping, Optional, Union
 import torch
 from torch.distributed import constants
 
-from .validate import check_number
+from ..validate import check_number
 
 KNOWN_BACKENDS = {"gloo", "nccl", "mpi", "ucc"}
 BACKEND_VARIABLE = "MINIDP_BACKEND"  # e.g. MINIDP_BACKEND=gloo: a test suite or CPU job on a GPU machine

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .engine.collectives import all_gather_objects, collective_device
-from .validate import check_int
-from .watchdog import naming_laggards
+from ..engine.collectives import all_gather_objects, collective_device
+from ..runtime.watchdog import naming_laggards
+from ..validate import check_int
 
 MAGIC = b"MINIDPCK"
 HEADER_BYTES = 8 + 16 + 64 + 8  # magic, hex length, hex sha256, padding

@@ -13,7 +13,7 @@ from typing import Dict, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .engine.collectives import collective_device
+from ..engine.collectives import collective_device
 
 Number = Union[int, float, torch.Tensor]
 

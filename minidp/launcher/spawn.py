@@ -18,8 +18,8 @@ import sys
 import tempfile
 from typing import Callable, Optional
 
+from ..validate import check_int, check_number
 from .supervisor import GRACE_S, POLL_S, Worker, WorkerFailed, supervise, terminate
-from .validate import check_int, check_number
 from .worker import _spawned_worker, die_with_parent, exit_now, read_error, worker_env, write_error
 
 __all__ = [

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .validate import check_bool, check_number
+from ..validate import check_bool, check_number
 
 
 def exclude_bias_and_norm(model: nn.Module) -> List[Dict]:

@@ -14,15 +14,15 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from .env import DistEnv
+# `spec` below is env.py's DistEnv (rank, world_size, master_addr, ...), unannotated so that this
+# module need not import env.py, its caller.
 
 
-def agent_store_serves(spec: DistEnv, environ: Mapping[str, str]) -> bool:
+def agent_store_serves(spec, environ: Mapping[str, str]) -> bool:
     """Whether torchrun's agent already hosts the store at spec's master_addr:master_port.
 
     torchrun (torch.distributed.run) runs a TCPStore on MASTER_ADDR:MASTER_PORT for its workers and
@@ -39,7 +39,7 @@ def agent_store_serves(spec: DistEnv, environ: Mapping[str, str]) -> bool:
             and environ.get("MASTER_PORT") == str(spec.master_port))
 
 
-def attempt_prefix(store: dist.Store, spec: DistEnv, environ: Mapping[str, str]) -> str:
+def attempt_prefix(store: dist.Store, spec, environ: Mapping[str, str]) -> str:
     """The key prefix this attempt's ranks meet under in torchrun's agent store.
 
     The restart count (TORCHELASTIC_RESTART_COUNT) tells a failed attempt from its restart, but a
@@ -58,7 +58,7 @@ def attempt_prefix(store: dist.Store, spec: DistEnv, environ: Mapping[str, str])
     return f"{attempt}/world{spec.world_size}/group{(arrived - 1) // spec.world_size}/"
 
 
-def rendezvous_store(spec: DistEnv, timeout: datetime.timedelta) -> dist.Store:
+def rendezvous_store(spec, timeout: datetime.timedelta) -> dist.Store:
     """The TCP key-value store the ranks meet through.
 
     Under torchrun every rank is a client of the agent's store, under a key prefix of this attempt's

@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..validate import check_int, check_number
+
 # forward() looks the CPU function up here, by name, at each call: tests swap in the fused one.
 from .syncbn_autograd import _FusedSyncBatchNormFn, _SyncBatchNormFn
-from .validate import check_int, check_number
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 

@@ -23,8 +23,8 @@ from typing import Callable, Optional
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from .ranks import get_world_size
-from .validate import check_choice, check_int, check_number
+from ..runtime.ranks import get_world_size
+from ..validate import check_choice, check_int, check_number
 
 RULES = ("linear", "sqrt")
 
