@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from minidp.train.optim import LAMB, LARS, NovoGrad, exclude_bias_and_norm
+from training import train
 
 F64 = torch.float64
 TOL = 1e-12
@@ -136,20 +137,14 @@ def test_without_trust_ratio_they_are_torch_sgd_and_adamw():
 
 
 def _train(make_optimizer, steps=60):
+    """The loss at each of `steps` full-batch steps on a small regression task."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(256, 8, generator=gen)
     y = torch.sin(x @ torch.randn(8, 1, generator=gen))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.Tanh(), nn.Linear(32, 1))
     optimizer = make_optimizer(exclude_bias_and_norm(model))
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return [loss.item() for loss in train(model, optimizer, [(x, y)] * steps)]
 
 
 @pytest.mark.parametrize("make_optimizer", [
