@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 import minidp
 from harness import error_of, run_ranks
+from training import train
 
 ENGINES = {"minidp": minidp.DDP, "torch": TorchDDP}
 STEPS = 5
@@ -50,13 +51,10 @@ def _train(engine, case: dict):
         model._set_static_graph()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    batches = [torch.randn(4, 6, generator=gen, requires_grad=case.get("twice", False)) for _ in range(STEPS)]
     unused_grads = []
-    for _ in range(STEPS):
-        x = torch.randn(4, 6, generator=gen, requires_grad=case.get("twice", False))
-        model(x).square().mean().backward()
-        unused_grads.append(net.unused.weight.grad is None)
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, batches, lambda model, x: model(x).square().mean(),
+          per_step=lambda step: unused_grads.append(net.unused.weight.grad is None))
     return torch.cat([p.detach().flatten() for p in net.parameters()]), unused_grads
 
 
