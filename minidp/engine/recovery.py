@@ -4,23 +4,25 @@ Why: a backward that raises after its first gradient hook (an error in the model
 caught and retried) may have launched only some of the step's bucket all-reduces on this rank, while
 ranks whose backward succeeded launched all of them and now wait for this rank. Before this rank
 issues any other collective (which would pair with theirs), the next forward calls
-`close_failed_step`: it launches the missing buckets (zeros) and reports the failure in the step's
-status all-reduce. Every rank then discards the step, and ranks whose backward had succeeded raise
-from it too: every rank's loop sees the same error, skips the same optimizer step, and the ranks
-stay equal. Zeros rather than a partial buffer: the values are discarded everywhere.
+`close_failed_step`: it launches the missing buckets filled with NaN (zeros for a sparse one). The
+last bucket is always among them (the reducer launches it only at the end of a successful backward),
+so every rank's last reduced bucket starts with a NaN, and every rank then exchanges the step's
+status (`exchange_status`: one flag per rank, did its backward fail?). Every rank discards the step,
+and ranks whose backward had succeeded raise too: every rank's loop sees the same error, skips the
+same optimizer step, and the ranks stay equal.
 
-The status all-reduce runs at the end of every synced step (reducer.end_step): one flag per rank
-(did its backward fail?) and, when the readiness policy counts use, how many ranks produced each
-parameter's gradient. Whether to raise is a decision of the host, so the host reads the status once
-per step. By default the status is a tensor on the model's device, all-reduced on the model's group:
-on CUDA that read waits until the GPU has finished backward and every bucket (backward() returns
-only then; torch DDP lets the host queue the optimizer step and the next forward meanwhile).
-`status_on_host(model)` moves the status to CPU tensors on a gloo copy of the group: the host then
-waits for the other ranks' hosts to reach the end of their backward, never for its GPU. Same
-guarantee, same results (the status does not touch the gradients); a GPU session measures the two
-(benchmarks/gpu_check.py, "status" rows) to choose the default on CUDA.
+When the status is exchanged (`status_needed`, the same answer on every rank): after a NaN in the
+last bucket (a failure, or a gradient that is NaN itself: then the status says nobody failed), and
+on every step where the readiness policy counts which ranks used each parameter
+(find_unused_parameters, as torch DDP's unused-parameter all-reduce), or a comm hook reduces the
+buckets (its result may not carry the NaN: one all-reduce a step more than torch DDP's). On CUDA the
+check reads one element of the last bucket on the host, which waits for that bucket's all-reduce
+(gloo's wait has blocked already on CPU). `status_on_host(model)` moves an exchanged status to CPU
+tensors on a gloo copy of the group (the host then never reads the GPU for it).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -30,15 +32,20 @@ from .progress import report
 
 
 def close_failed_step(reducer) -> None:
-    """First in every forward: if this rank's last backward raised mid-step, close that step with the others."""
+    """First in every forward: if this rank's last backward raised mid-step, close it with the others."""
     step = reducer.open_step
     if step is None:
         return
     reducer.step = None
-    for bucket in reducer.layout.buckets[len(step.futures):]:  # ranks meet here: the buckets not launched
-        step.futures.append(reducer.reduce(bucket, bucket.zeros()))
+    for bucket in reducer.layout.buckets[len(step.futures):]:  # ranks meet here: those not launched
+        step.futures.append(reducer.reduce(bucket, failure_payload(bucket)))
     reducer.end_step(step, failed=True)
     reducer.recorder.event("failed_iteration_closed")
+
+
+def failure_payload(bucket) -> torch.Tensor:
+    """What a failed rank sends for a bucket it had not launched: NaNs (a sparse bucket: zeros)."""
+    return bucket.zeros() if bucket.sparse else torch.full_like(bucket.buffer, math.nan)
 
 
 def status_on_host(model, enabled: bool = True) -> None:
@@ -60,14 +67,23 @@ def status_on_host(model, enabled: bool = True) -> None:
     reducer.status_group = group
 
 
-def start_status(reducer, step, failed: bool):
-    """Start the step's status all-reduce: (status tensor, its work, or None at world size 1).
+def status_needed(reducer, results: list) -> bool:
+    """Whether this step exchanges its status; every rank gets the same answer from the same values."""
+    if reducer.readiness.counts_use or reducer.comm_hook is not None:
+        return True
+    if not results or reducer.layout.buckets[-1].sparse:
+        return bool(results)  # no bucket: world size 1, no one to hear from; sparse: no NaN to read
+    return math.isnan(results[-1].reshape(-1)[0].item())  # the one host read of the default step
+
+
+def exchange_status(reducer, step, failed: bool) -> tuple[list[int], list[int] | None]:
+    """All-reduce the step's status: (ranks whose backward failed, by parameter how many ranks used it).
 
     No host-to-device copy from pageable memory (it would make the host wait): the flag is written
     by a fill on the device, the use counts (find_unused_parameters) come from pinned memory.
     """
     counts_use, world_size = reducer.readiness.counts_use, reducer.world_size
-    group = getattr(reducer, "status_group", None)  # status_on_host(): a gloo group, CPU tensors
+    group = reducer.status_group  # status_on_host(): a gloo group, CPU tensors
     device = torch.device("cpu") if group is not None else reducer.device
     status = torch.zeros(world_size + len(reducer.params) * counts_use, dtype=torch.int32, device=device)
     if failed:
@@ -76,27 +92,18 @@ def start_status(reducer, step, failed: bool):
         pinned = device.type == "cuda"
         ready = torch.tensor(step.ready, dtype=torch.int32, pin_memory=pinned)
         status[world_size:].copy_(ready, non_blocking=pinned)
-    if world_size == 1:
-        return status, None  # one rank: the sum is this rank's status itself
-    group = group if group is not None else reducer.process_group
-    return status, dist.all_reduce(status, group=group, async_op=True)  # ranks meet here
-
-
-def read_status(reducer, status: torch.Tensor, work) -> tuple[list[int], list[int] | None]:
-    """Wait for the status: (ranks whose backward failed, by parameter how many ranks used it, or None)."""
-    try:
-        if work is not None:
-            work.wait()
-    except RuntimeError as exc:
-        raise RuntimeError(
-            f"minidp.DDP on rank {reducer.rank}: iteration {reducer.iteration}: the end-of-backward status "
-            f"all-reduce failed; likely {debug_mode.LIKELY_CAUSES}, or a rank's backward raised and it "
-            f"ran no forward afterwards (MINIDP_DEBUG=1 checks every step). Cause: {exc}"
-            + report(reducer, "the end-of-backward status all-reduce")) from exc
-    # The one host read per step (free on gloo, whose wait already blocked; with the status on CUDA it
-    # waits for the reduction, behind the whole backward): whether to raise is a decision of the host.
-    counts = status.tolist()
-    return [r for r in range(reducer.world_size) if counts[r]], counts[reducer.world_size:] or None
+    if world_size > 1:
+        try:
+            group = group if group is not None else reducer.process_group
+            dist.all_reduce(status, group=group)  # ranks meet here
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"minidp.DDP on rank {reducer.rank}: iteration {reducer.iteration}: the end-of-backward status "
+                f"all-reduce failed; likely {debug_mode.LIKELY_CAUSES}, or a rank's backward raised and it "
+                f"ran no forward afterwards (MINIDP_DEBUG=1 checks every step). Cause: {exc}"
+                + report(reducer, "the end-of-backward status all-reduce")) from exc
+    counts = status.tolist()  # whether to raise is a decision of the host
+    return [r for r in range(world_size) if counts[r]], counts[world_size:] or None
 
 
 def failed_message(reducer, failed_ranks: list[int]) -> str:

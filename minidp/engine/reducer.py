@@ -59,6 +59,7 @@ class Reducer:
         self.iteration, self.completed = 0, 0  # synced steps armed / completed on every rank
         self.step = None       # the armed step, fed by the hooks (None: no_sync, eval, between steps)
         self.open_step = None  # a step whose hooks fired and whose end has not run (recovery.py closes it)
+        self.status_group = None  # where the status is exchanged; None: process_group (status_on_host)
         self.layout = BucketLayout(self.params, self.names, sparse, bucket_cap_mb=bucket_cap_mb,
                                    needs_rebuild=static_graph or not find_unused_parameters,
                                    process_group=process_group, as_view=gradient_as_bucket_view,
@@ -116,10 +117,17 @@ class Reducer:
             bucket.zero_slot(self.layout.slot_of[index])
             step.pending[bucket.index] -= 1
 
-    def launch_ready_buckets(self, step: Step) -> None:
-        """Launch complete buckets strictly in index order: every rank issues the same sequence."""
+    def launch_ready_buckets(self, step: Step, at_end: bool = False) -> None:
+        """Launch complete buckets strictly in index order: every rank issues the same sequence.
+
+        The last bucket is launched only at the end of a backward that succeeded (`at_end`, from
+        finalize), never by a hook: so a rank whose backward raises has always left it for
+        close_failed_step, which sends NaNs in it, and every rank learns of the failure from the
+        reduced bucket itself (end_step). It holds the last gradients to arrive, so little waits.
+        """
         buckets = self.layout.buckets
-        while len(step.futures) < len(buckets) and step.pending[len(step.futures)] == 0:
+        launchable = len(buckets) if at_end else len(buckets) - 1
+        while len(step.futures) < launchable and step.pending[len(step.futures)] == 0:
             bucket = buckets[len(step.futures)]
             if step.waiting[bucket.index]:
                 bucket.copy_later(step.waiting[bucket.index], step.divisor)
@@ -139,11 +147,12 @@ class Reducer:
 
     def finalize(self) -> None:
         """End of backward: reduce what is left, wait, agree that every rank succeeded, write back."""
-        step, self.step = self.step, None
+        step = self.step
+        self.step = None
         self.recorder.event("backward_end")
         for index in self.readiness.missing_at_end(self, step):  # raises where the mode forbids it
             self.reduce_as_zeros(step, index)
-        self.launch_ready_buckets(step)
+        self.launch_ready_buckets(step, at_end=True)
         results, failed_ranks, used = self.end_step(step, failed=False)
         if failed_ranks:
             raise RuntimeError(recovery.failed_message(self, failed_ranks))
@@ -154,16 +163,25 @@ class Reducer:
         self.recorder.event("finalize_end")
 
     def end_step(self, step: Step, failed: bool):
-        """Wait for every bucket and exchange the step's status (recovery.py); the step is closed.
+        """Wait for every bucket, then learn whether any rank's backward failed; the step is closed.
+
+        What this adds to torch DDP's step, and why: a rank whose backward raised closes the step at
+        its next forward (recovery.close_failed_step) with NaNs in the buckets it had not launched,
+        the last one always among them; so on every rank the last reduced bucket starts with a NaN.
+        Only then (or when a gradient there is NaN itself) do the ranks exchange a status: who
+        failed. The default step issues no collective that torch DDP's does not, and reads one
+        element on the host (free on gloo, whose wait has blocked already). find_unused_parameters
+        always exchanges it (it counts each parameter's users, as torch's unused-parameter
+        all-reduce does); a comm hook too, after the hooks, as its result may not carry a NaN.
 
         Returns:
             (reduced buffers by bucket, failed group ranks, per-parameter use counts or None)
         """
-        # The status starts behind the last bucket; with a hook, once every bucket is done: a hook may
-        # issue collectives from its futures' callbacks (PowerSGD does), and ranks must order them alike.
-        status = recovery.start_status(self, step, failed) if self.comm_hook is None else None
-        results = [self._wait(b, future) for b, future in zip(self.layout.buckets, step.futures, strict=True)]
-        failed_ranks, used = recovery.read_status(self, *(status or recovery.start_status(self, step, failed)))
+        futures = zip(self.layout.buckets, step.futures, strict=True)
+        results = [self._wait(bucket, future) for bucket, future in futures]
+        failed_ranks, used = [], None
+        if recovery.status_needed(self, results):
+            failed_ranks, used = recovery.exchange_status(self, step, failed)  # ranks meet here
         self.open_step = None
         self.completed += not failed_ranks  # the same count on every rank
         return results, failed_ranks, used
