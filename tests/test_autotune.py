@@ -17,6 +17,7 @@ import minidp
 from harness import run_ranks
 from minidp.engine import autocap
 from models import build
+from training import offset_by_rank, rank_batches, snapshot, train
 
 CANDIDATES = (0.0005, 0.002, 0.01, 1)  # MiB: 3 distinct layouts of the test MLP (0.01 and 1: one bucket)
 STEPS = autocap.ROUNDS * 3 * (autocap.STEPS + 1) + 4  # every visit of the 3 layouts, and a few after
@@ -24,19 +25,10 @@ STEPS = autocap.ROUNDS * 3 * (autocap.STEPS + 1) + 4  # every visit of the 3 lay
 
 def _train(engine, cap, group, steps=STEPS):
     rank = dist.get_rank(group)
-    model = build("mlp")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.01 * rank)  # the engine must broadcast rank 0's weights
+    model = offset_by_rank(build("mlp"), rank)
     wrapped = engine(model, bucket_cap_mb=cap, process_group=group)
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.05, momentum=0.9)
-    gen = torch.Generator().manual_seed(100 + rank)
-    for _ in range(steps):
-        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
-        torch.nn.functional.mse_loss(wrapped(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return wrapped, [p.detach().clone() for p in model.parameters()]
+    train(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.05, momentum=0.9), rank_batches(steps, rank))
+    return wrapped, snapshot(model)
 
 
 def _torch_layout(cap):
