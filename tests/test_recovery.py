@@ -94,8 +94,20 @@ def _train(engine, cfg, fail: bool, steps=STEPS):
     return [p.detach().clone() for p in model.parameters()], errors
 
 
+def _nan_gradients(engine):
+    """One step whose loss is NaN on rank 0 only: every averaged gradient is NaN, and no rank failed."""
+    torch.manual_seed(0)
+    model = engine(Net())
+    x = torch.randn(SHARD, 8)
+    if dist.get_rank() == 0:
+        x[0, 0] = float("nan")
+    model(x).sum().backward()  # must not raise: a NaN is not a failure
+    return [p.grad.view(torch.int32).clone() for p in model.parameters()]  # bits: NaN == NaN
+
+
 def _worker():
-    out = {}
+    out = {"nan_gradients_equal": all(torch.equal(a, b) for a, b in zip(_nan_gradients(minidp.DDP),
+                                                                          _nan_gradients(TorchDDP)))}
     for name, cfg in _scenarios(dist.get_world_size()).items():
         ours, errors = _train(minidp.DDP, cfg, fail=True)
         reference, _ = _train(TorchDDP, cfg, fail=False)
@@ -126,6 +138,12 @@ def test_training_goes_on_with_equal_ranks(results, scenario):
             assert "failed on purpose" in message
         else:
             assert f"raised on rank(s) {cfg['ranks']}" in message and "Skip optimizer.step()" in message
+
+
+def test_a_nan_gradient_is_not_a_failure(results):
+    """A NaN in the last bucket makes the ranks exchange their status, which says nobody failed."""
+    _, per_rank = results
+    assert all(result["nan_gradients_equal"] for result in per_rank)
 
 
 def test_torch_ddp_refuses_later_steps(results):

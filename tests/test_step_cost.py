@@ -6,7 +6,6 @@ synced step (forward, backward, optimizer step) after the bucket rebuild, on eve
 """
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.profiler import ProfilerActivity, profile
