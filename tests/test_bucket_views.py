@@ -1,4 +1,4 @@
-"""Bucket views keep the parameters' strides, as DDP's do (issue 12.6).
+"""Bucket views keep the parameters' strides, as DDP's do: a channels_last model trains as under torch DDP.
 
 A channels_last weight's gradient sits in its bucket in memory order, and its bucket view (so its
 `.grad` under gradient_as_bucket_view) has the weight's strides: the optimizer's elementwise ops
@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import minidp
 from harness import run_ranks
 from minidp.engine.buckets import Bucket
+from training import shard_of, snapshot, train
 
 STEPS, SHARD = 4, 2
 
@@ -45,15 +46,13 @@ def _train(engine, gradient_as_bucket_view):
     wrapped = engine(model, bucket_cap_mb=0.002, gradient_as_bucket_view=gradient_as_bucket_view)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
     gen, strides_match = torch.Generator().manual_seed(5), []
-    for _ in range(STEPS):
+
+    def batch():  # this rank's shard of a channels_last global batch
         x = torch.randn(world_size * SHARD, 3, 6, 6, generator=gen).to(memory_format=torch.channels_last)
-        y = torch.randn(world_size * SHARD, 4, generator=gen)
-        mine = slice(rank * SHARD, (rank + 1) * SHARD)
-        nn.functional.mse_loss(wrapped(x[mine]), y[mine]).backward()
-        strides_match.append(all(p.grad.stride() == p.stride() for p in model.parameters()))
-        opt.step()
-        opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()], strides_match
+        return shard_of((x, torch.randn(world_size * SHARD, 4, generator=gen)), rank, SHARD)
+    train(wrapped, opt, [batch() for _ in range(STEPS)],
+          per_step=lambda step: strides_match.append(all(p.grad.stride() == p.stride() for p in model.parameters())))
+    return snapshot(model), strides_match
 
 
 def _worker():
