@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import minidp
 from harness import error_of, run_ranks
 from minidp.engine.planning import MIB, UNBOUNDED, assign_buckets, plan_rebuilt
+from training import shard_of, snapshot, train
 
 # ---- planning: a sparse parameter gets a bucket of its own, where torch puts it -----------------
 
@@ -73,35 +74,27 @@ SCENARIOS = {
 
 
 def _batches(world_size, rank, micro):
+    """STEPS * micro batches: this rank's shard of the same global batches on every rank."""
     gen = torch.Generator().manual_seed(7)
-    for _ in range(STEPS):
-        batches = []
-        for _ in range(micro):
-            idx = torch.randint(0, 40, (world_size * SHARD, 3), generator=gen)
-            y = torch.randn(world_size * SHARD, 4, generator=gen)
-            batches.append((idx[rank * SHARD:(rank + 1) * SHARD], y[rank * SHARD:(rank + 1) * SHARD]))
-        yield batches
+    return [shard_of((torch.randint(0, 40, (world_size * SHARD, 3), generator=gen),
+                      torch.randn(world_size * SHARD, 4, generator=gen)), rank, SHARD) for _ in range(STEPS * micro)]
 
 
 def _train(engine, cfg, model):
+    """Parameters, the last step's gradients, and the buckets the hook saw, after STEPS steps of `micro` batches."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     wrapped = engine(model, **cfg.get("ddp", {}))
     names, log = {id(p): n for n, p in model.named_parameters()}, []
     if cfg.get("hook"):
         wrapped.register_comm_hook(log, _torch_test_hook)
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.5)
-    for batches in _batches(world_size, rank, cfg.get("micro", 1)):
-        for k, (idx, y) in enumerate(batches):
-            if k < len(batches) - 1:
-                with wrapped.no_sync():
-                    nn.functional.mse_loss(wrapped(idx), y).backward()
-            else:
-                nn.functional.mse_loss(wrapped(idx), y).backward()
-        grads = [p.grad.coalesce() if p.grad.is_sparse else p.grad.clone() for p in model.parameters()]
-        opt.step()
-        opt.zero_grad()
-    params = [p.detach().clone() for p in model.parameters()]
-    return params, grads, [[names[i] for i in bucket] for bucket in log]
+    grads = []
+
+    def record_grads(step):
+        grads[:] = [p.grad.coalesce() if p.grad.is_sparse else p.grad.clone() for p in model.parameters()]
+    micro = cfg.get("micro", 1)
+    train(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.5), _batches(world_size, rank, micro),
+          accumulate=micro, per_step=record_grads)
+    return snapshot(model), grads, [[names[i] for i in bucket] for bucket in log]
 
 
 def _equal(x, y):
