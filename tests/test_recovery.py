@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import minidp
 from harness import run_ranks
 from minidp.engine.recovery import status_on_host
+from training import offset_by_rank, shard_of, snapshot
 
 STEPS, SHARD = 6, 4
 CAP_MB = 0.004  # two buckets once rebuilt: the failure falls between them (one launched, one not)
@@ -62,13 +63,14 @@ def _scenarios(world_size):
 
 
 def _train(engine, cfg, fail: bool, steps=STEPS):
-    """Train; on the failing step, the failing ranks raise in backward (fail=True) or every rank skips it."""
+    """Train; on the failing step, the failing ranks raise in backward (fail=True) or every rank skips it.
+
+    Its own loop, not tests/training.train: catching a backward's error and skipping that step is what
+    this file tests.
+    """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = Net()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.01 * rank)  # rank 0's weights must win
+    model = offset_by_rank(Net(), rank)
     wrapped = engine(model, bucket_cap_mb=CAP_MB, **cfg.get("ddp", {}))
     if cfg.get("host_status") and engine is minidp.DDP:
         status_on_host(wrapped)  # ranks meet here (a new gloo group)
@@ -76,13 +78,13 @@ def _train(engine, cfg, fail: bool, steps=STEPS):
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.05, momentum=0.9)
     gen, errors = torch.Generator().manual_seed(1234), []
     for step in range(steps):
-        x, y = torch.randn(world_size * SHARD, 8, generator=gen), torch.randn(world_size * SHARD, 4, generator=gen)
+        x, y = shard_of((torch.randn(world_size * SHARD, 8, generator=gen),
+                         torch.randn(world_size * SHARD, 4, generator=gen)), rank, SHARD)
         if step == cfg["step"] and not fail:
             continue  # the reference: this step never happened
         RaiseInBackward.armed = fail and step == cfg["step"] and rank in cfg["ranks"]
         try:
-            out = wrapped(x[rank * SHARD:(rank + 1) * SHARD])
-            nn.functional.mse_loss(out, y[rank * SHARD:(rank + 1) * SHARD]).backward()
+            nn.functional.mse_loss(wrapped(x), y).backward()
         except RuntimeError as exc:  # the loop skips the step, as after a caught out-of-memory
             errors.append((step, str(exc)))
             opt.zero_grad()
@@ -91,7 +93,7 @@ def _train(engine, cfg, fail: bool, steps=STEPS):
             RaiseInBackward.armed = False
         opt.step()
         opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()], errors
+    return snapshot(model), errors
 
 
 def _nan_gradients(engine):
