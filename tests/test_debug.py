@@ -7,7 +7,6 @@ a training rank's debug all-gather waited for the collective timeout and then re
 Real processes, gloo, CPU; torch DDP's join is the reference for the trained values, and a record of
 every check says who took part in which.
 """
-import contextlib
 import os
 
 import pytest
@@ -19,6 +18,7 @@ import minidp
 from harness import error_of, run_ranks
 from minidp.engine import debug as debug_mode
 from models import build, input_shape
+from training import mean_square, rank_batches, snapshot, train
 
 # name: (model, join() keywords, no_sync on every other step)
 CASES_2 = {"mlp": ("mlp", {}, False), "cnn_bn_accumulate": ("cnn_bn", {}, True)}
@@ -27,21 +27,15 @@ CASES_3 = {"mlp": ("mlp", {}, False),
 
 
 def _train(engine, model_name, join_kwargs, accumulate, n_batches):
+    """Parameters and buffers after n_batches under join(); with `accumulate`, a step every second batch."""
     torch.manual_seed(0)
     extra = {"debug": True} if engine is minidp.DDP else {}
     model = engine(build(model_name), bucket_cap_mb=0.002, **extra)  # a few buckets once rebuilt
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    gen = torch.Generator().manual_seed(100 + dist.get_rank())
-    batches = [torch.randn(4, *input_shape(model_name), generator=gen) for _ in range(n_batches)]
+    batches = rank_batches(n_batches, dist.get_rank(), inputs=(4, *input_shape(model_name)), targets=None)
     with model.join(**join_kwargs):
-        for step, x in enumerate(batches):
-            local = accumulate and step % 2 == 0
-            with model.no_sync() if local else contextlib.nullcontext():
-                model(x).pow(2).mean().backward()
-            if not local:
-                opt.step()
-                opt.zero_grad()
-    return [t.detach().clone() for t in list(model.module.parameters()) + list(model.module.buffers())]
+        train(model, opt, batches, mean_square, accumulate=2 if accumulate else 1)
+    return snapshot(model.module, buffers=True)
 
 
 def _debug_join_worker(batches_per_rank, cases):

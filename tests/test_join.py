@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 import minidp
 from harness import run_ranks
 from models import build, input_shape
+from training import mean_square, rank_batches, snapshot, train
 
 ENGINES = {"minidp": minidp.DDP, "torch": TorchDDP}
 
@@ -59,14 +60,10 @@ def _train_with_join(engine, model_name, join_kwargs, n_batches):
     torch.manual_seed(0)
     model = engine(build(model_name), bucket_cap_mb=0.002)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    gen = torch.Generator().manual_seed(100 + dist.get_rank())
-    batches = [torch.randn(4, *input_shape(model_name), generator=gen) for _ in range(n_batches)]
+    batches = rank_batches(n_batches, dist.get_rank(), inputs=(4, *input_shape(model_name)), targets=None)
     with model.join(**join_kwargs):
-        for x in batches:
-            model(x).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-    return [t.detach().clone() for t in list(model.module.parameters()) + list(model.module.buffers())]
+        train(model, opt, batches, mean_square)
+    return snapshot(model.module, buffers=True)
 
 
 def _join_worker(batches_per_rank):
@@ -149,12 +146,9 @@ def _train_uneven_static(engine):
     net = _WithUnused()
     model = engine(net, static_graph=True, bucket_cap_mb=0.0008)  # several buckets once rebuilt
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    batches = rank_batches(STATIC_STEPS + 2 * dist.get_rank(), dist.get_rank(), seed=1, inputs=(4, 6), targets=None)
     with model.join():
-        for _ in range(STATIC_STEPS + 2 * dist.get_rank()):
-            model(torch.randn(4, 6, generator=gen)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        train(model, opt, batches, mean_square)
     return torch.cat([p.detach().flatten() for p in net.parameters()])
 
 
@@ -277,12 +271,9 @@ def _zero_train(engine, uneven: bool):
     net = build("mlp")
     model = engine(net, bucket_cap_mb=0.001)
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9)
-    gen = torch.Generator().manual_seed(dist.get_rank())
+    steps = 5 + (2 * dist.get_rank() if uneven else 0)
     with Join([model, opt]):  # both joinables: the wrapper's join hook and ZeRO's
-        for _ in range(5 + (2 * dist.get_rank() if uneven else 0)):
-            model(torch.randn(4, 8, generator=gen)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        train(model, opt, rank_batches(steps, dist.get_rank(), seed=0, targets=None), mean_square)
     return torch.cat([p.detach().flatten() for p in net.parameters()])
 
 

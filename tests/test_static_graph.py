@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 import minidp
 from harness import error_of, run_ranks
-from training import train
+from training import mean_square, train
 
 ENGINES = {"minidp": minidp.DDP, "torch": TorchDDP}
 STEPS = 5
@@ -53,7 +53,7 @@ def _train(engine, case: dict):
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     batches = [torch.randn(4, 6, generator=gen, requires_grad=case.get("twice", False)) for _ in range(STEPS)]
     unused_grads = []
-    train(model, opt, batches, lambda model, x: model(x).square().mean(),
+    train(model, opt, batches, mean_square,
           per_step=lambda step: unused_grads.append(net.unused.weight.grad is None))
     return torch.cat([p.detach().flatten() for p in net.parameters()]), unused_grads
 

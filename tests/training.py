@@ -23,6 +23,11 @@ def mse(model, batch):
     return F.mse_loss(model(x), y)
 
 
+def mean_square(model, x):
+    """A loss for batches of inputs alone: the mean of model(x) squared (x.square() is this same op)."""
+    return model(x).pow(2).mean()
+
+
 def train(model, optimizer, batches, loss_fn=mse, *, accumulate=1, set_to_none=True, per_step=None):
     """Forward, backward and optimizer step over `batches`; returns every batch's loss, detached.
 
