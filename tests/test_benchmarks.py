@@ -4,7 +4,7 @@ No timing assertions: only that the outputs exist and hold sane numbers (speed l
 benchmarks/RESULTS.md). compare_ddp.py --quick and timeline.py --quick run through their main() in this
 process, with their workers forked from it (tests/harness.py): the same jobs and files, without paying
 seconds of CPU per process for importing torch and torch._dynamo again on this 2-core machine. (The
-benchmark scripts that run as real commands are in test_comm_bench.py: gpu_check.py and compression.py.)
+benchmark scripts that run as real commands are in test_comm_bench.py: gpu/gpu_check.py and compression/study.py.)
 """
 import contextlib
 import io
@@ -21,11 +21,12 @@ from harness import workers_forked
 from minidp.engine.timeline import Timeline, bucket_spans, trace_events, write_chrome_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+# benchmarks/ is not a package: the scripts' folders go on the path, as each script puts its own there.
+sys.path[:0] = [os.path.join(ROOT, "benchmarks", folder) for folder in ("speed", "overlap", "gpu", "shared")]
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
-import compare_ddp  # noqa: E402 - benchmarks/ is not a package
+import compare_ddp  # noqa: E402
 import timeline  # noqa: E402
-from plot_timeline import plot_timelines  # noqa: E402 - benchmarks/ holds the drawing
+from plot_timeline import plot_timelines  # noqa: E402 - benchmarks/overlap/ holds the drawing
 from processes import clean_env  # noqa: E402
 
 WORKLOADS = ("mlp", "resnet18", "deep300")
@@ -36,7 +37,7 @@ PNG_MAGIC = b"\x89PNG"
 
 
 def _run_script(name, *args, timeout=240):
-    """Run benchmarks/<name> with this interpreter; fail with its output if it fails."""
+    """Run benchmarks/<name> (e.g. "speed/compare_ddp.py") with this interpreter; fail with its output if it fails."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", name), *args], cwd=ROOT, env=FORKED,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -135,7 +136,7 @@ def test_hook_cost_quick(tmp_path):
 
 @pytest.fixture(scope="module")
 def quick_timeline(tmp_path_factory):
-    """timeline.main() of `python benchmarks/timeline.py --quick ...`; the stem of the files it writes."""
+    """timeline.main() of `python benchmarks/overlap/timeline.py --quick ...`; the stem of the files it writes."""
     out = tmp_path_factory.mktemp("timeline")
     with workers_forked(), contextlib.redirect_stdout(io.StringIO()):
         assert timeline.main(["--quick", "--out", str(out), "--bucket-cap-mb", "0.01", "--steps", "3"]) == 0
@@ -248,7 +249,7 @@ def test_gpu_check_shared_launch_reruns_alone_what_a_crash_left_unchecked(monkey
 
 @pytest.mark.gpu
 def test_compare_quick_on_cuda(tmp_path):
-    _run_script("compare_ddp.py", "--quick", "--device", "cuda", "--world-sizes", "1", "--no-memory",
+    _run_script("speed/compare_ddp.py", "--quick", "--device", "cuda", "--world-sizes", "1", "--no-memory",
                 "--out", str(tmp_path))
     with open(tmp_path / "results" / "compare_ddp_cuda.json") as f:
         data = json.load(f)

@@ -1,22 +1,24 @@
 """The compression study and the GPU check as commands: tiny runs of the real scripts, and their argument checks.
 
-benchmarks/gpu_check.py is written for a GPU; here it runs its CPU dry run (gloo, the CuPy rows
+benchmarks/gpu/gpu_check.py is written for a GPU; here it runs its CPU dry run (gloo, the CuPy rows
 reported as skipped), which goes through the same checks except the CUDA device, CupyNccl and the
 host-sync count (set_sync_debug_mode needs CUDA).
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+# benchmarks/ is not a package: the scripts' folders go on the path, as each script puts its own there.
+sys.path[:0] = [os.path.join(ROOT, "benchmarks", folder) for folder in ("compression", "gpu", "shared")]
 
-import compression  # noqa: E402 - benchmarks/ is not a package
 import compression_report  # noqa: E402
 import gpu_check  # noqa: E402
+import study as compression  # noqa: E402 - benchmarks/compression/study.py
 
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
                "MASTER_ADDR", "MASTER_PORT")
@@ -37,9 +39,14 @@ def test_compression_study_quick_run_writes_the_study(tmp_path):
     launch here costs seconds of torch imports."""
     results_md = tmp_path / "RESULTS.md"
     results_md.write_text("# notes kept\n")
-    proc = _run("benchmarks/compression.py", "--quick", "--phases", "sweep,report", "--methods", "exact,TopK 1%+EF",
-                "--steps", "8", "--lrs", "0.1", "--out", str(tmp_path), "--results-md", str(results_md))
+    proc = _run("benchmarks/compression/study.py", "--quick", "--phases", "sweep,report", "--methods",
+                "exact,TopK 1%+EF", "--steps", "8", "--lrs", "0.1", "--out", str(tmp_path),
+                "--results-md", str(results_md))
     assert proc.returncode == 0, proc.stderr
+    # each run says so as it finishes (the full study runs for minutes)
+    runs = re.findall(r"^sweep (\d)/2: (exact|TopK 1%\+EF) lr 0.1 seed 0: (\d+ steps to target|target not reached in 8 "
+                      r"steps), final val loss [\d.]+, \d+ s$", proc.stdout, re.M)
+    assert [(done, method) for done, method, _ in runs] == [("1", "exact"), ("2", "TopK 1%+EF")], proc.stdout
     study = json.loads((tmp_path / "compression_study.json").read_text())
     exact, topk = study["methods"]["exact"], study["methods"]["TopK 1%+EF"]
     assert set(exact["sweep"]) == set(topk["sweep"]) == {"0.1"} and topk["lr"] == 0.1
@@ -82,7 +89,7 @@ def test_gpu_check_dry_run_on_cpu_runs_every_check_and_counts_collectives(tmp_pa
     """The issue 22 criteria: a collectives column, every passing row communicated, 3+ rows at world size 2,
     SyncBatchNorm beside a compression hook passes; one verdict line per check."""
     results_md = tmp_path / "RESULTS.md"
-    proc = _run("benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--steps", "1", "--results-md",
+    proc = _run("benchmarks/gpu/gpu_check.py", "--device", "cpu", "--quick", "--steps", "1", "--results-md",
                 str(results_md), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| check | world | collectives | result | detail |" in proc.stdout
@@ -101,7 +108,7 @@ def test_gpu_check_dry_run_on_cpu_runs_every_check_and_counts_collectives(tmp_pa
 @pytest.mark.gpu
 def test_gpu_check_quick_on_cuda_passes():
     """The script itself on the GPU (issue 22): every check, quick; CupyNccl may be skipped without CuPy."""
-    proc = _run("benchmarks/gpu_check.py", "--quick", "--steps", "2", "--results-md", "", timeout=480)
+    proc = _run("benchmarks/gpu/gpu_check.py", "--quick", "--steps", "2", "--results-md", "", timeout=480)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = _table_rows(proc.stdout)
     assert all(int(r["collectives"]) >= 1 for r in rows if r["result"] == "ok"), rows
@@ -126,6 +133,21 @@ def test_benchmark_arguments_are_checked(module, argv, words, capsys):
     with pytest.raises(SystemExit):
         module.parse_args(argv)
     assert words in capsys.readouterr().err
+
+
+def test_compression_help_lists_the_methods(capsys):
+    with pytest.raises(SystemExit) as info:
+        compression.parse_args(["--help"])
+    assert info.value.code == 0 and "TopK 1%+EF" in capsys.readouterr().out
+
+
+def test_a_compression_rerun_leaves_the_git_tree_clean():
+    """Its default --out is under runs/, which .gitignore covers; the recorded study stays in benchmarks/results."""
+    out = os.path.relpath(compression.parse_args([]).out, ROOT)
+    assert out == os.path.join("runs", "compression"), out
+    ignored = subprocess.run(["git", "check-ignore", "-q", os.path.join(out, "compression_runs.jsonl")], cwd=ROOT)
+    assert ignored.returncode == 0, f"git does not ignore {out}"
+    assert os.path.exists(os.path.join(ROOT, "benchmarks", "results", "compression_study.json"))
 
 
 def test_gpu_check_refuses_cuda_without_a_gpu(capsys):

@@ -1,4 +1,4 @@
-"""One training run of the compression study, on every rank of a launched world (used by compression.py).
+"""One training run of the compression study, on every rank of a launched world (used by study.py).
 
     rows = run_jobs(jobs, cfg)   # inside minidp.launch's worker: [(method, lr, seed), ...] one after another
 
@@ -14,11 +14,11 @@ from __future__ import annotations
 import statistics
 import time
 
-import compression_task as task
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import compression_task as task
 import minidp
 
 

@@ -1,11 +1,11 @@
 """One command for a machine with one NVIDIA GPU and no network: minidp's GPU paths, checked and timed.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py                  # about 3-5 minutes on one GPU (at most 8)
-    PYTHONPATH=. python benchmarks/gpu_check.py --quick          # the MLP only, fewer steps
-    PYTHONPATH=. python benchmarks/gpu_check.py --device cpu --quick --results-md ''   # dry run without a GPU
+    PYTHONPATH=. python benchmarks/gpu/gpu_check.py                  # about 3-5 minutes on one GPU (at most 8)
+    PYTHONPATH=. python benchmarks/gpu/gpu_check.py --quick          # the MLP only, fewer steps
+    PYTHONPATH=. python benchmarks/gpu/gpu_check.py --device cpu --quick --results-md ''   # dry run without a GPU
 
 Checks, each in fresh processes on a GPU (on the CPU, those of one world size share a launch; the checks
-themselves: gpu_checks.py):
+themselves: checks.py):
   engine       world size 1 on NCCL: minidp.DDP(transport=TorchDist()) against torch DDP on the MLP and
                ResNet-18 (the default path issues no collective at world size 1), bitwise; step ratio.
   status       world size 1 on NCCL: the default step's host syncs under torch.cuda.set_sync_debug_mode
@@ -28,21 +28,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import tempfile
 import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.dirname(HERE)  # RESULTS.md and results/ live here
+# benchmarks/ is not a package: this folder and shared/ (workloads, worker processes) go on the path.
+sys.path[:0] = [HERE, os.path.join(BENCHMARKS, "shared")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from collective_count import CollectiveCounter  # noqa: E402 - benchmarks/ is not a package
-from gpu_checks import CHECKS, COMPRESSORS, row  # noqa: E402, F401 - COMPRESSORS: the tests count its rows
 
 import minidp  # noqa: E402
+from checks import CHECKS, COMPRESSORS, row  # noqa: E402, F401 - COMPRESSORS: the tests count its rows
+from collective_count import CollectiveCounter  # noqa: E402 - benchmarks/ is not a package
+from results_md import write_section  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="the MLP only, few steps")
     p.add_argument("--steps", type=int, default=None, help="timed steps per engine (default 30, quick 4)")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per check before it is killed")
-    p.add_argument("--results-md", default=os.path.join(HERE, "RESULTS.md"), help="'' to skip writing")
+    p.add_argument("--results-md", default=os.path.join(BENCHMARKS, "RESULTS.md"), help="'' to skip writing")
     p.add_argument("--checks", default=",".join(CHECKS), help="comma-separated subset (default: all)")
     p.add_argument("--share-processes", action=argparse.BooleanOptionalAction, default=None,
                    help="run the checks of one world size in one launch (default: on the CPU only)")
@@ -122,20 +124,6 @@ def run_checks(names: list, args) -> dict:
         for name in [n for n in names if n not in found]:
             found.update(run_checks([name], args))
     return found
-
-
-def write_section(path: str, tag: str, text: str) -> None:
-    """Put `text` between `tag`'s markers in `path`, keeping the rest of the file.
-
-    compression.py imports it from here (not the other way: that script imports torchvision, which
-    this one must run without)."""
-    begin, end = f"<!-- BEGIN {tag} -->", f"<!-- END {tag} -->"
-    old = open(path).read() if os.path.exists(path) else ""
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
-    block = f"{begin}\n{text}\n{end}"
-    new = pattern.sub(lambda _: block, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(new)
 
 
 def table(rows: list, header: str) -> str:

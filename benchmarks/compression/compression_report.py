@@ -1,6 +1,6 @@
 """The compression study's report: the study JSON the simulator reads, the tables, the sanity checks.
 
-    python benchmarks/compression.py --phases report    # reads OUT/compression_runs.jsonl (used by compression.py)
+    python benchmarks/compression/study.py --phases report    # reads OUT/compression_runs.jsonl (used by study.py)
 
 study(): per method, at its chosen lr, over the seeds at world size 2: steps to the target, final
 validation loss, time to the target and median step (measured), bytes per step, the collectives of
@@ -21,9 +21,9 @@ import os
 import platform
 import statistics
 
-import compression_task as task
 import torch
 
+import compression_task as task
 from minidp.study import time_to_target as ttt
 
 NETWORK_SIZES = tuple(4 ** k * 1024 for k in range(7))  # 1 KiB ... 4 MiB: the study's buffers are up to 1.2 MB
@@ -220,7 +220,7 @@ def report(args, rows: list, lrs: dict) -> dict:
     print(text)
     print(f"wrote {path}")
     if args.results_md:
-        from gpu_check import write_section
+        from results_md import write_section
 
         write_section(args.results_md, "compression cpu", text)
     return s

@@ -1,12 +1,17 @@
 """The gradient-compression study: steps and time to a target validation loss, per method, on real text.
 
-    python benchmarks/compression.py                        # every phase (about 20-25 min on 2 idle cores)
-    python benchmarks/compression.py --phases sweep,seeds   # only some phases; rows are appended to RUNS
-    python benchmarks/compression.py --phases report        # rebuild the study JSON and table from RUNS
-    python benchmarks/compression.py --quick --out /tmp/c   # tiny sizes, seconds (the smoke test)
-    python -m minidp.simulate --study benchmarks/results/compression_study.json   # time to target at scale
+    python benchmarks/compression/study.py                      # every phase (20-25 min on 2 idle cores)
+    python benchmarks/compression/study.py --phases sweep,seeds # only some phases; rows are appended to RUNS
+    python benchmarks/compression/study.py --phases report      # rebuild the study JSON and table from RUNS
+    python benchmarks/compression/study.py --quick --out /tmp/c # tiny sizes, seconds (the smoke test)
+    python -m minidp.simulate --study runs/compression/compression_study.json   # time to target at scale
 
-Task (benchmarks/compression_task.py): a character-level MLP (16 characters of context, 313 k
+Everything goes to --out (RUNS = OUT/compression_runs.jsonl, the study JSON, the network and probe files),
+by default runs/compression/ in the checkout, which git ignores: a rerun leaves the tree clean. The recorded
+study that the README's `python -m minidp.simulate --study` reads is benchmarks/results/ (--out
+benchmarks/results to add to it on purpose). Each run prints one line as it finishes.
+
+Task (compression_task.py): a character-level MLP (16 characters of context, 313 k
 parameters) on the license texts shipped in torch's wheel, world size 2 on CPU (gloo), global batch
 128, SGD momentum 0.9 at a constant lr after a 10-step warm-up (exact steps, before every method).
 Phases, each a launch of its own:
@@ -28,12 +33,15 @@ import argparse
 import json
 import os
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.dirname(HERE)
+# benchmarks/ is not a package: this folder and shared/ (results_md) go on the path.
+sys.path[:0] = [HERE, os.path.join(BENCHMARKS, "shared")]
+DEFAULT_OUT = os.path.join(os.path.dirname(BENCHMARKS), "runs", "compression")  # git ignores runs/
 
-import compression_task as task  # noqa: E402 - benchmarks/ is not a package
-
+import compression_task as task  # noqa: E402
 import minidp  # noqa: E402
 
 PHASES = ("sweep", "seeds", "cost", "validate", "network", "probe", "report")
@@ -46,10 +54,11 @@ QUICK = dict(steps=24, eval_every=4, global_batch=16, val_windows=256, target=4.
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help=f"tiny sizes: {QUICK}")
-    p.add_argument("--out", default=os.path.join(HERE, "results"), help="folder of RUNS and the study JSON")
+    p.add_argument("--out", default=DEFAULT_OUT, help="folder of RUNS and the study JSON (default: runs/compression "
+                   "in the checkout; benchmarks/results holds the recorded study)")
     p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
     p.add_argument("--methods", default=",".join(task.METHODS), help="comma-separated subset of: "
-                   + ", ".join(task.METHODS))
+                   + ", ".join(task.METHODS).replace("%", "%%"))  # argparse %-formats help: "TopK 1%"
     p.add_argument("--results-md", default=None, help="markdown file for the table (default: none)")
     for name, value in FULL.items():
         p.add_argument("--" + name.replace("_", "-"), type=type(value), default=None, help=f"default {value}")
@@ -106,22 +115,36 @@ def chosen_lrs(rows: list) -> dict:
     return {m: lr for m, (_, lr) in best.items()}
 
 
+def run_line(phase: str, done: int, total: int, row: dict, wall_s: float) -> str:
+    """One finished run, as printed: which, how many steps to the target, how long."""
+    reached = f"{row['steps_to_target']} steps to target" if row["steps_to_target"] else (
+        f"target not reached in {row['steps_run']} steps")
+    return (f"{phase} {done}/{total}: {row['method']} lr {row['lr']:g} seed {row['seed']}: {reached}, "
+            f"final val loss {row['final_val_loss']:.3f}, {wall_s:.0f} s")
+
+
 def _worker(local_rank: int, jobs: list, cfg: dict, phase: str, path: str) -> None:
-    import compression_run
     import torch
+
+    import compression_run
 
     minidp.init(backend="gloo")
     torch.set_num_threads(1)  # ranks share 2 cores
+    done, last = 0, time.perf_counter()
 
-    def log(row):
+    def log(row):  # rank 0, after each run: the row to RUNS, a line to the terminal
+        nonlocal done, last
         with open(path, "a") as f:
             f.write(json.dumps({"phase": phase, **row}) + "\n")
+        done, now = done + 1, time.perf_counter()
+        print(run_line(phase, done, len(jobs), row, now - last), flush=True)
+        last = now
     compression_run.run_jobs(jobs, cfg, log)
     minidp.shutdown()
 
 
 def launch(phase: str, jobs: list, world: int, cfg: dict, args) -> None:
-    print(f"{phase}: {len(jobs)} run(s) at world size {world}", flush=True)
+    print(f"{phase}: {len(jobs)} run(s) at world size {world}, rows to {runs_path(args)}", flush=True)
     minidp.launch(_worker, nprocs=world, args=(jobs, cfg, phase, runs_path(args)))
 
 

@@ -1,13 +1,13 @@
 """minidp against torch DDP, side by side, in the same processes: step time, limits, construction, memory.
 
-    python benchmarks/compare_ddp.py            # full run on this machine (minutes)
-    python benchmarks/compare_ddp.py --quick --out /tmp/bench   # tiny sizes, seconds (the smoke test)
-    python benchmarks/compare_ddp.py --device cuda              # NCCL, one process per GPU
-    python benchmarks/compare_ddp.py --device cuda --backend gloo --world-sizes 1,2  # ranks share a GPU
+    python benchmarks/speed/compare_ddp.py            # full run on this machine (minutes)
+    python benchmarks/speed/compare_ddp.py --quick --out /tmp/bench   # tiny sizes, seconds (the smoke test)
+    python benchmarks/speed/compare_ddp.py --device cuda              # NCCL, one process per GPU
+    python benchmarks/speed/compare_ddp.py --device cuda --backend gloo --world-sizes 1,2  # ranks share a GPU
 
 Writes OUT/results/compare_ddp_<device>.json (every raw step time), OUT/results/step_times_<device>.png
 and the tables into OUT/RESULTS.md (between markers, so hand-written notes around them survive).
-OUT defaults to this folder (benchmarks/). How the numbers are taken: see measure.py and memory.py.
+OUT defaults to benchmarks/. How the numbers are taken: see shared/measure.py and shared/memory.py.
 """
 from __future__ import annotations
 
@@ -22,9 +22,11 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.dirname(HERE)  # RESULTS.md and results/ live here
+# benchmarks/ is not a package: this folder and shared/ (workloads, worker processes) go on the path.
+sys.path[:0] = [HERE, os.path.join(BENCHMARKS, "shared")]
 
-import report  # noqa: E402 - after the path set-up above, as in every script of this folder
+import report  # noqa: E402 - after the path set-up above
 import worker  # noqa: E402
 import workloads  # noqa: E402
 
@@ -37,7 +39,7 @@ QUICK = {"rounds": 2, "steps": 2, "warmup": 3, "constructions": 2, "sweep_rounds
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny models, few steps: a smoke run of seconds")
-    p.add_argument("--out", default=HERE, help="folder for RESULTS.md and results/ (default: benchmarks/)")
+    p.add_argument("--out", default=BENCHMARKS, help="folder for RESULTS.md and results/ (default: benchmarks/)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: gloo on cpu, nccl on cuda")
     p.add_argument("--world-sizes", help="comma-separated (default: 1,2 on cpu; 1..#GPUs on cuda)")
@@ -149,13 +151,13 @@ def machine(args) -> dict:
             "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
             "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__, "device": args.device,
             "backend": args.backend, "world_sizes": args.world_sizes, "threads": args.threads,
-            "command": ("python benchmarks/compare_ddp.py " + shlex.join(args.argv)).strip(),
+            "command": ("python benchmarks/speed/compare_ddp.py " + shlex.join(args.argv)).strip(),
             **{k: getattr(args, k) for k in FULL}}
 
 
 def git_commit() -> str:
     """HEAD of the checkout, with "+dirty" when minidp/ has uncommitted changes (the engine measured)."""
-    root = os.path.dirname(HERE)
+    root = os.path.dirname(BENCHMARKS)
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                               text=True, timeout=10).stdout.strip()

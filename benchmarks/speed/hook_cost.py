@@ -1,7 +1,7 @@
 """What one gradient costs an engine: backward time over the plain module's, per gradient, and in what.
 
-    python benchmarks/hook_cost.py                 # deep300 (300 x Linear(64, 64)), world sizes 1 and 2
-    python benchmarks/hook_cost.py --quick         # a smoke run of seconds
+    python benchmarks/speed/hook_cost.py           # deep300 (300 x Linear(64, 64)), world sizes 1 and 2
+    python benchmarks/speed/hook_cost.py --quick   # a smoke run of seconds
 
 Per world size, in the same processes, phases alternating round by round (order flipped each round):
   plain      the module alone (no engine): loss.backward()
@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.dirname(HERE)  # RESULTS.md and results/ live here
+# benchmarks/ is not a package: this folder and shared/ (workloads, worker processes) go on the path.
+sys.path[:0] = [HERE, os.path.join(BENCHMARKS, "shared")]
 
-import minidp  # noqa: E402 - after the path set-up above, as in every script of this folder
+import minidp  # noqa: E402 - after the path set-up above
 import worker  # noqa: E402
 import workloads  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Count the runs that abort at exit after a gloo collective, with and without minidp.shutdown() (issue 21).
 
-    python benchmarks/exit_aborts.py --runs 40 --concurrent 4                      # plain python
-    python benchmarks/exit_aborts.py --torchrun --runs 40 --plain-runs 20 --concurrent 5
+    python benchmarks/faults/exit_aborts.py --runs 40 --concurrent 4                      # plain python
+    python benchmarks/faults/exit_aborts.py --torchrun --runs 40 --plain-runs 20 --concurrent 5
 
 Why: torch's gloo frees a finished work on its worker thread; a script that ends right after a
 collective sometimes has that happen after Python began finalizing, and the process aborts
@@ -57,7 +57,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=1, help="torchrun's --nproc-per-node (default 1)")
     p.add_argument("--concurrent", type=int, default=6, help="runs at a time")
     a = p.parse_args()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "end_after_collective.py")

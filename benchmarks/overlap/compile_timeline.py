@@ -1,8 +1,8 @@
 """Overlap under torch.compile: eager against compiled, minidp against torch DDP, in the same processes.
 
-    python benchmarks/compile_timeline.py            # 16-layer 512-wide MLP, 1 MiB buckets, 2 ranks, inductor
-    python benchmarks/compile_timeline.py --quick    # tiny MLP, aot_eager: a smoke run of seconds
-    python benchmarks/compile_timeline.py --device cuda
+    python benchmarks/overlap/compile_timeline.py    # 16-layer 512-wide MLP, 1 MiB buckets, 2 ranks, inductor
+    python benchmarks/overlap/compile_timeline.py --quick  # tiny MLP, aot_eager: a smoke run of seconds
+    python benchmarks/overlap/compile_timeline.py --device cuda
 
 Phases (each its own copy of the same weights, fed the same batches, all in the same processes):
   minidp eager                minidp.DDP(m)
@@ -33,9 +33,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.dirname(HERE)  # RESULTS.md and results/ live here
+# benchmarks/ is not a package: this folder and shared/ (workloads, worker processes) go on the path.
+sys.path[:0] = [HERE, os.path.join(BENCHMARKS, "shared")]
 
-import measure  # noqa: E402 - after the path set-up above, as in every script of this folder
+import measure  # noqa: E402 - after the path set-up above
 import minidp  # noqa: E402
 import worker  # noqa: E402
 from minidp.engine import planning  # noqa: E402

@@ -1,8 +1,8 @@
 """A timeline of one minidp training step: backward against each bucket's all-reduce, per rank.
 
-    python benchmarks/timeline.py                         # mlp, 2 ranks, DDP's default buckets
-    python benchmarks/timeline.py --workload resnet18 --bucket-cap-mb 5
-    python benchmarks/timeline.py --quick --out /tmp/tl   # tiny sizes (the smoke test)
+    python benchmarks/overlap/timeline.py                 # mlp, 2 ranks, DDP's default buckets
+    python benchmarks/overlap/timeline.py --workload resnet18 --bucket-cap-mb 5
+    python benchmarks/overlap/timeline.py --quick --out /tmp/tl   # tiny sizes (the smoke test)
 
 Records `--steps` steps after warm-up and keeps the one of median length (rank 0's clock), then
 writes into OUT/results/ (OUT defaults to benchmarks/):
@@ -19,7 +19,9 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.dirname(HERE)  # RESULTS.md and results/ live here
+# benchmarks/ is not a package: this folder and shared/ (workloads, worker processes) go on the path.
+sys.path[:0] = [HERE, os.path.join(BENCHMARKS, "shared")]
 
 from plot_timeline import plot_timelines  # noqa: E402
 
@@ -37,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=7, help="recorded steps; the median-length one is kept")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="the workload's tiny variant")
-    p.add_argument("--out", default=HERE, help="folder whose results/ receives the files (default: benchmarks/)")
+    p.add_argument("--out", default=BENCHMARKS, help="folder whose results/ receives the files (default: benchmarks/)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: gloo on cpu, nccl on cuda")
     p.add_argument("--threads", type=int, default=1)

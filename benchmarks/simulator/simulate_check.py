@@ -1,6 +1,6 @@
 """Check minidp.simulate against what can be measured here: a gloo sweep, steps at world size 2, a cap sweep.
 
-    flock /tmp/minidp-cpu.lock python benchmarks/simulate_check.py      # ~4 minutes on 2 cores
+    flock /tmp/minidp-cpu.lock python benchmarks/simulator/simulate_check.py      # ~4 minutes on 2 cores
 
 1. Compute profiles of the benchmark workloads (mlp, resnet18 32x32, as in RESULTS.md), recorded with
    minidp's timeline (a) at world size 2 with a comm hook that sends nothing (both ranks compute at
@@ -14,6 +14,7 @@ results/simulate_check.json and prints the tables for RESULTS.md.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -22,7 +23,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.dirname(HERE)  # RESULTS.md and results/ live here
+# benchmarks/ is not a package: this folder and shared/ (workloads, worker processes) go on the path.
+sys.path[:0] = [HERE, os.path.join(BENCHMARKS, "shared")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -140,9 +143,11 @@ def _run(world_size):
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--from-json"]:  # re-render the tables and the plot of a recorded run
-        with open(argv[1]) as f:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # --help must not start a 4-minute run
+    p.add_argument("--from-json", metavar="FILE", help="re-print the tables and redraw the plot of a recorded run")
+    args = p.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
             report = json.load(f)
         return _publish(report)
     print("1/2 at world size 2: compute profiles, then steps per cap and the all-reduce sweep, in rounds", flush=True)
@@ -172,8 +177,8 @@ def main(argv=None) -> int:
                 entry["cluster_scaling"] = scaling(profile, CLUSTER)
         entry["best_cap_measured"] = str(min(CAPS[1:], key=lambda c: measured[c]))
         report["workloads"][name] = entry
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "simulate_check.json"), "w") as f:
+    os.makedirs(os.path.join(BENCHMARKS, "results"), exist_ok=True)
+    with open(os.path.join(BENCHMARKS, "results", "simulate_check.json"), "w") as f:
         json.dump(report, f, indent=1)
     return _publish(report)
 
@@ -184,7 +189,7 @@ def _publish(report: dict) -> int:
 
     print(markdown(report))
     rows = report["workloads"]["resnet18"]["cluster_scaling"]
-    plot_scaling(os.path.join(HERE, "results", "simulate_resnet18_cluster.png"), rows,
+    plot_scaling(os.path.join(BENCHMARKS, "results", "simulate_resnet18_cluster.png"), rows,
                  "ResNet-18 32x32, batch 32 per rank (compute measured here), on network.CLUSTER, ring")
     return 0
 

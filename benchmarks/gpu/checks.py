@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# benchmarks/ is not a package: shared/ (the workloads) goes on the path.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shared"))
 
 import minidp  # noqa: E402
 import workloads  # noqa: E402 - benchmarks/ is not a package
