@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import minidp
 from harness import run_ranks
 from models import build, input_shape
+from training import offset_by_rank, shard_of, snapshot, train
 
 STEPS, SHARD = 11, 4  # 11: the last step (10) leaves `rare` of the unused_branch model unused
 
@@ -51,50 +52,44 @@ def _make_hook(kind):
     return state, powerSGD_hook.powerSGD_hook
 
 
-def _batches(cfg, world_size, rank):
-    """The same global batches for every engine; each rank takes its own shard."""
+def _batches(cfg, world_size, rank, shard=SHARD):
+    """The same global batches for every engine, STEPS steps of micro_steps each; each rank takes its own
+    shard. A batch is (inputs, targets, use_rare): for the unused_branch model, whether `rare` takes part
+    (on one rank, on some steps only); None for the other models."""
     gen = torch.Generator().manual_seed(1234)
+    batches = []
     for step in range(STEPS):
-        micro = []
+        use_rare = (step % 3 == 0 and rank == 0) if cfg["model"] == "unused" else None
         for _ in range(cfg.get("micro_steps", 1)):
             x = torch.randn(world_size * SHARD, *input_shape(cfg["model"]), generator=gen)
             y = torch.randn(world_size * SHARD, 4, generator=gen)
-            micro.append((x[rank * SHARD:(rank + 1) * SHARD], y[rank * SHARD:(rank + 1) * SHARD]))
-        yield step, micro
+            batches.append((*shard_of((x, y), rank, shard), use_rare))
+    return batches
+
+
+def _loss(model, batch):
+    """Mean squared error; on the unused_branch model, after setting whether `rare` takes part."""
+    x, y, use_rare = batch
+    if use_rare is not None:
+        model.module.use_rare = use_rare
+    return torch.nn.functional.mse_loss(model(x), y)
 
 
 def _train(engine, cfg):
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = build(cfg["model"])
-    with torch.no_grad():  # different weights on every rank: the engine must broadcast rank 0's
-        for p in model.parameters():
-            p.add_(0.01 * rank)
+    model = offset_by_rank(build(cfg["model"]), rank)  # different weights on every rank: rank 0's must win
     wrapped = engine(model, **cfg.get("ddp", {}))
     if "hook" in cfg:
         wrapped.register_comm_hook(*_make_hook(cfg["hook"]))
     opt = (torch.optim.Adam(wrapped.parameters(), lr=1e-2) if cfg.get("optim") == "adam"
            else torch.optim.SGD(wrapped.parameters(), lr=0.05, momentum=0.9))
-    for step, micro in _batches(cfg, world_size, rank):
-        if cfg["model"] == "unused":
-            model.use_rare = (step % 3 == 0) and rank == 0  # used on one rank, on some steps only
-        for k, (x, y) in enumerate(micro):
-            last = k == len(micro) - 1
-            ctx = wrapped.no_sync() if not last else _nullcontext()
-            with ctx:
-                torch.nn.functional.mse_loss(wrapped(x), y).backward()
-        grads_none = [p.grad is None for p in model.parameters()]  # as the last backward left them
-        opt.step()
-        opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
-    state = [t.detach().clone() for t in model.parameters()] + [b.clone() for b in model.buffers()]
-    return state, grads_none
+    grads_none = []  # which .grad are None, as the last step's backward left them
 
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+    def record(step):
+        grads_none[:] = [p.grad is None for p in model.parameters()]
+    train(wrapped, opt, _batches(cfg, world_size, rank), _loss, accumulate=cfg.get("micro_steps", 1),
+          set_to_none=cfg.get("set_to_none", True), per_step=record)
+    return snapshot(model, buffers=True), grads_none
 
 
 def _single_process_reference(cfg):
@@ -102,14 +97,9 @@ def _single_process_reference(cfg):
     world_size = dist.get_world_size()
     model = build(cfg["model"])
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    gen = torch.Generator().manual_seed(1234)
-    for _ in range(STEPS):
-        x = torch.randn(world_size * SHARD, *input_shape(cfg["model"]), generator=gen)
-        y = torch.randn(world_size * SHARD, 4, generator=gen)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()]
+    whole = _batches(cfg, world_size, rank=0, shard=world_size * SHARD)
+    train(model, opt, whole, _loss)
+    return snapshot(model)
 
 
 def _compare(a, b):
