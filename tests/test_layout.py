@@ -1,17 +1,38 @@
-"""The maps match the tree: README.md's Layout section, and minidp/engine/README.md (the engine's map).
+"""The maps match the tree, and the package's rooms keep their import rules.
 
 README.md lists every module outside the engine; minidp/engine/README.md lists every engine module, in
-its "## First read" section (the default step, in reading order, 700 lines or fewer) or in its second
-read; the engine package docstring gives the same files in the same order. No count is hard-coded.
+its "## First read" section (the default step, in reading order) or in its second read; the engine
+package docstring gives the same files in the same order. No count is hard-coded.
+
+The rooms (folders of minidp/, and its top-level modules) are layered: an import may point only to a
+lower layer (or inside its own room), so a reader can learn the package bottom-up and a new feature
+cannot tie a low layer to a high one. tests/scripts/import_graph.py reads the imports from the source.
 """
 import os
 import re
+import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = os.path.join(ROOT, "minidp", "engine")
-FIRST_READ_LIMIT = 700  # lines, docstrings included (issue 20)
+sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
+import import_graph  # noqa: E402
+
+# One sitting's read of the default step, docstrings included; lines short enough to read side by side.
+FIRST_READ_LIMIT = 800
+FIRST_READ_LINE = 100
+
+# room -> layer: an import may point only to a lower layer (or within the room)
+LAYERS = {
+    "validate": 0,
+    "launcher": 1, "runtime": 1,
+    "engine": 2,
+    "train": 3, "data": 3, "comm": 3, "sharded": 3,
+    "study": 4, "integrations": 4,
+    # the public names: minidp/__init__.py and one-line modules (`python -m minidp.run`, minidp.hooks, ...)
+    "__init__": 5, "run": 5, "explain": 5, "simulate": 5, "hooks": 5, "lightning": 5, "accelerate": 5,
+}
 
 
 def _layout_block() -> str:
@@ -71,11 +92,62 @@ def test_the_engine_map_lists_every_engine_module_once():
     assert {f"minidp/engine/{n}" for n in named} == _modules("minidp/engine")
 
 
-def test_the_first_read_is_the_default_step_in_700_lines_or_fewer():
+def test_the_first_read_is_the_default_step_in_800_short_lines_or_fewer():
     first, _ = _engine_map()
     total = sum(_lines(name) for name in first)
     assert total <= FIRST_READ_LIMIT, f"the first read is {total} lines: {[(n, _lines(n)) for n in first]}"
     assert first[:2] == ["ddp.py", "reducer.py"]  # the wrapper, then the reducer core
+    long = [f"{name}:{i}" for name in first
+            for i, line in enumerate(open(os.path.join(ENGINE, name)), 1) if len(line.rstrip("\n")) > FIRST_READ_LINE]
+    assert long == [], f"first-read lines over {FIRST_READ_LINE} characters"
+
+
+def test_every_room_has_a_layer():
+    rooms = {import_graph.room(m) for m in import_graph.graph(os.path.join(ROOT, "minidp"))}
+    assert rooms == set(LAYERS), "a new folder or top-level module of minidp/ needs its layer here"
+
+
+def test_imports_point_down_only():
+    edges = import_graph.graph(os.path.join(ROOT, "minidp"))
+    up = sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
+                if import_graph.room(a) != import_graph.room(b)
+                and LAYERS[import_graph.room(b)] >= LAYERS[import_graph.room(a)])
+    assert up == [], "imports that point up or sideways between rooms"
+
+
+def test_no_import_cycle():
+    assert import_graph.cycles(import_graph.graph(os.path.join(ROOT, "minidp"))) == []
+
+
+def test_the_launcher_imports_no_torch():
+    """A launcher only starts and watches processes (seconds of CPU saved per launch); tests/scripts/
+    fresh_imports.py checks the same in a fresh interpreter."""
+    edges = import_graph.graph(os.path.join(ROOT, "minidp"))
+    files = import_graph.modules(os.path.join(ROOT, "minidp"))
+    launcher = {m for m in edges if import_graph.room(m) == "launcher"}
+    reached = set(launcher)
+    while True:  # everything the launcher imports, transitively
+        more = {t for m in reached for t in edges[m]} - reached
+        if not more:
+            break
+        reached |= more
+    assert {import_graph.room(m) for m in reached} <= {"launcher", "validate"}
+    assert [m for m in sorted(reached) if import_graph.imports_torch(files[m])] == []
+
+
+def test_the_import_rules_can_fail(tmp_path):
+    """The checks above see an upward import and a cycle when there is one (a package made here)."""
+    pkg = tmp_path / "minidp"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine" / "__init__.py").write_text("")
+    (pkg / "engine" / "a.py").write_text("from ..study import b\n")
+    (pkg / "study").mkdir()
+    (pkg / "study" / "__init__.py").write_text("")
+    (pkg / "study" / "b.py").write_text("def f():\n    from ..engine import a\n")
+    edges = import_graph.graph(str(pkg))
+    assert edges["minidp.engine.a"] == {"minidp.study.b"} and edges["minidp.study.b"] == {"minidp.engine.a"}
+    assert import_graph.cycles(edges) == [["minidp.engine.a", "minidp.study.b", "minidp.engine.a"]]
 
 
 def test_no_module_is_over_300_lines():
