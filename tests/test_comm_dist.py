@@ -23,13 +23,9 @@ from minidp import comm
 from minidp.comm.sign import chunk_size, signs_of
 from minidp.engine.hooks import GradBucket
 from models import build
+from training import rank_batches, snapshot, train
 
 SMALL_BUCKETS = {"bucket_cap_mb": 0.002}  # the MLP (1476 elements) in several buckets
-
-
-def _batches(steps, rank, gen_seed=100):
-    gen = torch.Generator().manual_seed(gen_seed + rank)
-    return [(torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)) for _ in range(steps)]
 
 
 def _train(engine, hook=None, steps=4, lr=0.1, ddp_kwargs=None):
@@ -38,12 +34,8 @@ def _train(engine, hook=None, steps=4, lr=0.1, ddp_kwargs=None):
     model = engine(module, **(ddp_kwargs or {}))
     if hook is not None:
         model.register_comm_hook(*hook)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for x, y in _batches(steps, dist.get_rank()):
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-    return [p.detach().clone() for p in module.parameters()]
+    train(model, torch.optim.SGD(model.parameters(), lr=lr), rank_batches(steps, dist.get_rank()))
+    return snapshot(module)
 
 
 def _label(engine):
@@ -186,7 +178,11 @@ EF_REFERENCE = {**EF_COMPRESSORS, "FP16": comm.FP16, "BF16": comm.BF16}  # every
 
 
 def _error_feedback_adds_up(steps=6):
-    """Applied gradients + residuals = true gradients, summed over steps, through the bucket rebuild."""
+    """Applied gradients + residuals = true gradients, summed over steps, through the bucket rebuild.
+
+    Its own loop, not tests/training.train: each step also takes the batch's own gradient, before
+    averaging, from the bare module.
+    """
     rank, out = dist.get_rank(), {}
     for name, make in EF_REFERENCE.items():
         module = build("mlp")
@@ -196,7 +192,7 @@ def _error_feedback_adds_up(steps=6):
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         params = list(module.parameters())
         applied, true = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
-        for x, y in _batches(steps, rank):
+        for x, y in rank_batches(steps, rank):
             local = torch.autograd.grad(F.mse_loss(module(x), y), params)  # unwrapped: no hook fires
             opt.zero_grad()
             F.mse_loss(model(x), y).backward()
@@ -270,7 +266,7 @@ def _bytes_by_compressor(steps=3):
             state, hook = comm.compression_hook(make(), memory=comm.ErrorFeedback(), start_iter=1)
             seen = []
             model.register_comm_hook(state, _recording(hook, seen))
-            _steps(model, torch.optim.SGD(model.parameters(), lr=0.05), _batches(steps, dist.get_rank()))
+            train(model, torch.optim.SGD(model.parameters(), lr=0.05), rank_batches(steps, dist.get_rank()))
             out[(model_name, name)] = {"stats": state.stats(), "buckets": seen}
             state.close()
     return out
@@ -292,11 +288,7 @@ def _trains_like_exact(steps=60):
         model = minidp.DDP(module)
         if make is not None:
             model.register_comm_hook(*comm.compression_hook(make(), memory=comm.ErrorFeedback()))
-        opt = torch.optim.SGD(model.parameters(), lr=0.3)
-        for x in xs:
-            opt.zero_grad()
-            F.mse_loss(model(x), torch.tanh(x @ teacher)).backward()
-            opt.step()
+        train(model, torch.optim.SGD(model.parameters(), lr=0.3), [(x, torch.tanh(x @ teacher)) for x in xs])
         with torch.no_grad():
             out[name] = F.mse_loss(module(eval_x), torch.tanh(eval_x @ teacher)).item()
     return out
@@ -313,13 +305,12 @@ def _periodic_averager_matches_torch(steps=9, warmup=3, period=2):
             state = post_localSGD_hook.PostLocalSGDState(None, None, warmup, post_local_gradient_allreduce=False)
             model.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
             averager = PeriodicModelAverager(period, warmup)
-        opt = torch.optim.SGD(module.parameters(), lr=0.1)
-        for x, y in _batches(steps, dist.get_rank()):
-            opt.zero_grad()
-            F.mse_loss(model(x), y).backward()
-            opt.step()
+
+        def average(step):  # after every optimizer step, as both averagers expect
             averager.step() if ours else averager.average_parameters(module.parameters())
-        return [p.detach().clone() for p in module.parameters()], (averager.stats() if ours else None)
+        train(model, torch.optim.SGD(module.parameters(), lr=0.1), rank_batches(steps, dist.get_rank()),
+              per_step=average)
+        return snapshot(module), (averager.stats() if ours else None)
     reference, _ = run(TorchDDP, False)
     return {"reference": reference, **{_label(engine): run(engine, True) for engine in (TorchDDP, minidp.DDP)}}
 
@@ -334,32 +325,25 @@ def _checkpoint_setup(name):
     return module, model, state, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def _steps(model, opt, batches):
-    for x, y in batches:
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-
-
 def _residuals_survive_checkpoint(folder, steps=3):
     """Save after `steps` steps, go on `steps` more; a fresh model and hook loaded from the file must agree bitwise."""
     rank, out = dist.get_rank(), {}
-    batches = _batches(2 * steps, rank)
+    batches = rank_batches(2 * steps, rank)
     for name in EF_COMPRESSORS:
         path = os.path.join(folder, f"{name}.pt")
         module, model, state, opt = _checkpoint_setup(name)
-        _steps(model, opt, batches[:steps])
+        train(model, opt, batches[:steps])
         saved = state.state_dict()
         states = [None] * dist.get_world_size()
         dist.all_gather_object(states, saved)  # ranks meet here: the checkpoint keeps every rank's residuals
         minidp.save_checkpoint(path, model, opt, extra={"comm": states})
-        _steps(model, opt, batches[steps:])
+        train(model, opt, batches[steps:])
         module2, model2, state2, opt2 = _checkpoint_setup(name)
         payload = minidp.load_checkpoint(path, model2, opt2)
         state2.load_state_dict(payload["extra"]["comm"][rank])
         reloaded = state2.state_dict()["memory"]["residuals"]["pieces"]
         same_state = all(torch.equal(a, reloaded[k]) for k, a in saved["memory"]["residuals"]["pieces"].items())
-        _steps(model2, opt2, batches[steps:])
+        train(model2, opt2, batches[steps:])
         out[name] = (same_state, _same(list(module.parameters()), list(module2.parameters())))
     return out
 
