@@ -19,14 +19,10 @@ import minidp
 from harness import error_of, run_ranks
 from minidp import comm
 from models import build
+from training import rank_batches, snapshot, train
 
 ENGINES = ("plain", "minidp", "views", "torch")  # a plain module, minidp.DDP (also with bucket views), torch DDP
 PERIOD, STEPS = 3, 8  # syncs after steps 3 and 6; the run ends mid-period (ranks differ at the end)
-
-
-def _batches(steps, rank):
-    gen = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)) for _ in range(steps)]
 
 
 def _model(noise):
@@ -48,12 +44,12 @@ def _nesterov(params):
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
-def _loss(model, x, y):
-    return F.mse_loss(model(x), y)
-
-
 def _reference(frozen_noise):
-    """The paper's Algorithm 1, written out: global weights theta, H inner steps, the outer step on theta."""
+    """The paper's Algorithm 1, written out: global weights theta, H inner steps, the outer step on theta.
+
+    Its own loop, not tests/training.train: the reference is the algorithm in full, sharing no code with
+    what it checks.
+    """
     module = build("mlp")
     frozen = module.net[0].bias.requires_grad_(False)
     if frozen_noise:  # as _model(noise=True) after DiLoCo broadcast rank 0's trainable weights
@@ -63,9 +59,9 @@ def _reference(frozen_noise):
     inner = torch.optim.AdamW(params, lr=0.01)
     theta = [p.detach().clone() for p in params]
     outer = _nesterov(theta)
-    for t, (x, y) in enumerate(_batches(STEPS, dist.get_rank()), 1):
+    for t, (x, y) in enumerate(rank_batches(STEPS, dist.get_rank()), 1):
         inner.zero_grad()
-        _loss(module, x, y).backward()
+        F.mse_loss(module(x), y).backward()
         inner.step()
         if t % PERIOD == 0:
             for g, p in zip(theta, params):
@@ -87,17 +83,16 @@ def _diloco_run(engine):
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
     diloco = comm.DiLoCo(model, _nesterov(model.parameters()), PERIOD)
     out = {"synced": [], "grads_kept": True}
-    for t, (x, y) in enumerate(_batches(STEPS, dist.get_rank()), 1):
-        inner.zero_grad()
-        _loss(model, x, y).backward()
-        inner.step()
+
+    def outer_step(step):
         before = [(p.grad, p.grad.clone()) for p in _trainable(module)]
         out["synced"].append(diloco.step())
         # the inner optimizer never sees the pseudo-gradient: the same .grad tensors, the same values
         out["grads_kept"] &= all(p.grad is g and torch.equal(g, v) for p, (g, v) in zip(_trainable(module), before))
-        if t == 2 * PERIOD:
-            out["after_sync"] = [p.detach().clone() for p in module.parameters()]
-    out["params"] = [p.detach().clone() for p in module.parameters()]
+        if step + 1 == 2 * PERIOD:
+            out["after_sync"] = snapshot(module)
+    train(model, inner, rank_batches(STEPS, dist.get_rank()), per_step=outer_step)
+    out["params"] = snapshot(module)
     out["global"] = [g.clone() for g in diloco.global_params]
     out["stats"] = diloco.stats()
     out["elements"] = sum(p.numel() for p in _trainable(module))
@@ -116,25 +111,25 @@ def _against_reference():
 
 def _against_averaging():
     """Outer SGD at lr 1 vs. averaging the parameters after every PERIOD-th step (PeriodicAverager.average)."""
-    out = {}
-    for name in ("diloco", "averaging"):
-        module = build("mlp")
-        model = minidp.DDP(module)
-        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    return {name: _outer_sgd_or_averaging(name) for name in ("diloco", "averaging")}
+
+
+def _outer_sgd_or_averaging(name):
+    module = build("mlp")
+    model = minidp.DDP(module)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    if name == "diloco":
+        diloco = comm.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=1.0), PERIOD)
+    else:  # its hook keeps gradients local (warmup_steps=0); its own schedule averages at step 1,
+        averager = comm.PeriodicAverager(model, PERIOD)  # so the average is called here, after every H-th
+
+    def after_step(step):
         if name == "diloco":
-            diloco = comm.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=1.0), PERIOD)
-        else:  # its hook keeps gradients local (warmup_steps=0); its own schedule averages at step 1,
-            averager = comm.PeriodicAverager(model, PERIOD)  # so the average is called here, after every H-th
-        for t, (x, y) in enumerate(_batches(STEPS, dist.get_rank()), 1):
-            inner.zero_grad()
-            _loss(model, x, y).backward()
-            inner.step()
-            if name == "diloco":
-                diloco.step()
-            elif t % PERIOD == 0:
-                averager.average()
-        out[name] = [p.detach().clone() for p in module.parameters()]
-    return out
+            diloco.step()
+        elif (step + 1) % PERIOD == 0:
+            averager.average()
+    train(model, inner, rank_batches(STEPS, dist.get_rank()), per_step=after_step)
+    return snapshot(module)
 
 
 def _warmup_run():
@@ -144,13 +139,12 @@ def _warmup_run():
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     diloco = comm.DiLoCo(model, _nesterov(model.parameters()), PERIOD, warmup_steps=2)
     out = {"early_sync": diloco.sync(), "synced": []}
-    for t, (x, y) in enumerate(_batches(STEPS, dist.get_rank()), 1):
-        inner.zero_grad()
-        _loss(model, x, y).backward()
-        inner.step()
+
+    def outer_step(step):
         out["synced"].append(diloco.step())
-        if t == 2:
-            out["after_warmup"] = [p.detach().clone() for p in module.parameters()]
+        if step + 1 == 2:
+            out["after_warmup"] = snapshot(module)
+    train(model, inner, rank_batches(STEPS, dist.get_rank()), per_step=outer_step)
     out["stats"], out["elements"] = diloco.stats(), sum(p.numel() for p in module.parameters())
     return out
 
@@ -163,16 +157,12 @@ def _setup():
 
 
 def _train(model, inner, diloco, batches):
-    for x, y in batches:
-        inner.zero_grad()
-        _loss(model, x, y).backward()
-        inner.step()
-        diloco.step()
+    train(model, inner, batches, per_step=lambda step: diloco.step())
 
 
 def _resume(folder):
     """Train 4 steps (one sync, then mid-period), save; fresh objects loaded from the file go on as the first run."""
-    batches, path = _batches(STEPS, dist.get_rank()), os.path.join(folder, f"{dist.get_rank()}.pt")
+    batches, path = rank_batches(STEPS, dist.get_rank()), os.path.join(folder, f"{dist.get_rank()}.pt")
     module, model, inner, diloco = _setup()
     _train(model, inner, diloco, batches[:4])
     torch.save({"model": module.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}, path)
