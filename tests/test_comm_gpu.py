@@ -7,7 +7,6 @@ two ranks sharing the GPU over gloo (which takes CUDA tensors for all-reduce).
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -16,6 +15,7 @@ from harness import run_ranks
 from minidp import comm
 from minidp.comm.context import RandomStream
 from models import build
+from training import rank_batches, train
 
 pytestmark = pytest.mark.gpu
 
@@ -30,13 +30,8 @@ def _train(engine, device, hook=None, steps=4, **ddp_kwargs):
     model = engine(module, device_ids=[device.index], **ddp_kwargs)
     if hook is not None:
         model.register_comm_hook(*hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(100 + dist.get_rank())
-    for _ in range(steps):
-        x, y = torch.randn(4, 8, generator=gen).to(device), torch.randn(4, 4, generator=gen).to(device)
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
+    batches = [(x.to(device), y.to(device)) for x, y in rank_batches(steps, dist.get_rank())]
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), batches)
     return [p.detach().cpu() for p in module.parameters()]
 
 
