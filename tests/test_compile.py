@@ -14,7 +14,6 @@ import pickle
 
 import pytest
 import torch
-import torch.nn.functional as F
 from processes import fresh_interpreter_report
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -23,6 +22,7 @@ import minidp
 from harness import run_ranks
 from minidp.engine import graph_split, planning
 from models import CNNWithBatchNorm
+from training import mse, rank_batches, snapshot, train
 
 BACKEND = "aot_eager"
 LAYER_BYTES = (16 * 16 + 16) * 4  # one Linear(16, 16): a bucket, and a piece, of its own at this cap
@@ -182,25 +182,22 @@ def test_runner_copies_compile_again():
 
 # ---- world size 2: parity with torch DDP + torch.compile, overlap by event order -----------------
 
-def _train(model, make_batch, steps=3):
-    gen = torch.Generator().manual_seed(100 + torch.distributed.get_rank())  # each rank its own data
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(steps):
-        x, y = make_batch(gen)
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        nodes = compiled_nodes(loss)
-        loss.backward()
-        opt.step()
-    return [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())], nodes
+def _train(model, shapes, steps=3):
+    """Parameters and buffers after `steps` steps on this rank's own data, and the compiled backward nodes
+    of the last step's loss."""
+    nodes = []
+
+    def loss_fn(model, batch):
+        loss = mse(model, batch)
+        nodes.append(compiled_nodes(loss))
+        return loss
+    inputs, targets = shapes
+    batches = rank_batches(steps, torch.distributed.get_rank(), inputs=inputs, targets=targets)
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, loss_fn)
+    return snapshot(model, buffers=True), nodes[-1]
 
 
-def _mlp_batch(gen):
-    return torch.randn(4, 16, generator=gen), torch.randn(4, 16, generator=gen)
-
-
-def _cnn_batch(gen):
-    return torch.randn(4, 3, 4, 4, generator=gen), torch.randn(4, 4, generator=gen)
+MLP_SHAPES, CNN_SHAPES = ((4, 16), (4, 16)), ((4, 3, 4, 4), (4, 4))  # (inputs, targets) of a batch
 
 
 # (model, order) cases of the parity run: the MLP in both orders; the CNN with BatchNorm (buffers) where dynamo
@@ -212,16 +209,16 @@ def _parity_worker():
     """Per model and order: minidp's and torch DDP's weights after 3 steps, and minidp's piece counts."""
     assert torch._dynamo.config.optimize_ddp in (True, "ddp_optimizer")  # torch DDP's graph cutting is on
     out = {}
-    models = {"mlp": (DeepMLP, _mlp_batch, CAP_MB), "cnn_bn": (_cnn, _cnn_batch, 0.0002)}
+    models = {"mlp": (DeepMLP, MLP_SHAPES, CAP_MB), "cnn_bn": (_cnn, CNN_SHAPES, 0.0002)}
     for name, order in PARITY_CASES:
-        build, batch, cap = models[name]
+        build, shapes, cap = models[name]
         torch._dynamo.reset()  # each case compiles afresh (and stays under dynamo's recompile limit)
         ours = wrap("minidp", order, build(), bucket_cap_mb=cap)
-        out[name, order, "minidp"], out[name, order, "compiled nodes"] = _train(ours, batch)
+        out[name, order, "minidp"], out[name, order, "compiled nodes"] = _train(ours, shapes)
         out[name, order, "pieces"] = [s.pieces for s in ddp_of(ours)._run_module.splitters]
         torch._dynamo.reset()
         theirs = wrap("torch", order, build())
-        out[name, order, "torch"], out[name, order, "torch compiled nodes"] = _train(theirs, batch)
+        out[name, order, "torch"], out[name, order, "torch compiled nodes"] = _train(theirs, shapes)
     return out
 
 
