@@ -128,11 +128,23 @@ def run_ranks(fn, world_size, *args, timeout=120.0, init=True, collective_timeou
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
-def error_of(fn):
-    """(exception type name, message) of what fn() raises, or None: lets one worker try many cases."""
+# What error_of() turns into a value: the types minidp.DDP and torch DDP raise for bad arguments, bad hooks
+# and bad state (ValueError, TypeError, RuntimeError and its subclasses such as NotImplementedError), and
+# AssertionError, which torch DDP's legacy gather() raises for CPU tensors (minidp.DDP raises what torch
+# does, and test_drop_in compares the two). Anything else propagates: a bug in a worker (a KeyError, an
+# AttributeError) fails the run with its traceback instead of becoming a value a test might compare equal.
+ERRORS_AS_VALUES = (RuntimeError, ValueError, TypeError, AssertionError)
+
+
+def error_of(fn, *args, **kwargs):
+    """(exception type name, message) of what fn(*args, **kwargs) raises, or None if it returns.
+
+    An error as a value: one worker tries many cases in one launch and returns what each raised, as
+    plain values the parent checks. Catches ERRORS_AS_VALUES only; keep the test's own asserts out of `fn`.
+    """
     try:
-        fn()
-    except (RuntimeError, ValueError, TypeError) as exc:
+        fn(*args, **kwargs)
+    except ERRORS_AS_VALUES as exc:
         return type(exc).__name__, str(exc)
     return None
 

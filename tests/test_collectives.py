@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks
+from harness import error_of, run_ranks
 from minidp.engine.collectives import all_gather_objects, check_same_across_ranks, collective_device
 
 
@@ -23,25 +23,17 @@ def _records(rank, world_size, case):
     return base
 
 
-def _error_of(fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except RuntimeError as e:
-        return str(e)
-    return None
-
-
 def _worker():
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = {}
     for case in ("equal", "shape", "extra entry", "pickled differently"):
-        out[case] = _error_of(check_same_across_ranks, "parameter/buffer/setting", _records(rank, world_size, case),
-                              device="cpu")
+        out[case] = error_of(check_same_across_ranks, "parameter/buffer/setting", _records(rank, world_size, case),
+                             device="cpu")
     out["gathered"] = all_gather_objects({"rank": rank, "state": torch.arange(rank + 2)})
     if world_size == 3:
         group = dist.new_group([1, 2])  # ranks meet here (every rank creates every group)
         if rank > 0:  # group ranks 0 and 1 are global ranks 1 and 2
-            out["subgroup"] = _error_of(check_same_across_ranks, "entry", [("x", rank)], group=group)
+            out["subgroup"] = error_of(check_same_across_ranks, "entry", [("x", rank)], group=group)
     return out
 
 
@@ -50,18 +42,19 @@ def test_agreement_checks_and_object_gather(world_size):
     odd = world_size - 1
     for rank, out in enumerate(run_ranks(_worker, world_size)):
         assert out["equal"] is None and out["pickled differently"] is None
-        shape = out["shape"]
+        assert {out[case][0] for case in ("shape", "extra entry")} == {"RuntimeError"}, out
+        shape, extra = out["shape"][1], out["extra entry"][1]
         assert f"ranks [{odd}] differ from rank 0 at parameter/buffer/setting #1" in shape, shape
         assert "rank 0: ('parameter', 'a.bias', (4,), 'torch.float32')" in shape
         assert f"rank {odd}: ('parameter', 'a.bias', (5,), 'torch.float32')" in shape
-        extra = out["extra entry"]
         assert f"ranks [{odd}] differ from rank 0 at parameter/buffer/setting #3" in extra, extra
         assert "entry counts seen: [3, 4]" in extra and "rank 0: (none: fewer entries)" in extra
         assert [g["rank"] for g in out["gathered"]] == list(range(world_size))
         assert all(torch.equal(g["state"], torch.arange(r + 2)) for r, g in enumerate(out["gathered"]))
         if world_size == 3 and rank > 0:  # ranks are named by their rank in the group
-            assert "ranks [1] differ from rank 0 at entry #0" in out["subgroup"]
-            assert "rank 0: ('x', 1)" in out["subgroup"] and "rank 1: ('x', 2)" in out["subgroup"]
+            kind, subgroup = out["subgroup"]
+            assert kind == "RuntimeError" and "ranks [1] differ from rank 0 at entry #0" in subgroup
+            assert "rank 0: ('x', 1)" in subgroup and "rank 1: ('x', 2)" in subgroup
 
 
 def test_collective_device_follows_the_module_under_nccl_only(monkeypatch):
