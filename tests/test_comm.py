@@ -316,8 +316,8 @@ def test_orthogonalize_gives_orthonormal_columns(rank):
 
 
 def test_randomk_resumed_from_a_state_dict_draws_the_positions_the_run_would_have_drawn():
-    """Issue 22, item 2: the hook's one generator (not one per device string) goes on after a resume; on
-    CUDA the same holds on another GPU index (tests/test_gpu_streams.py)."""
+    """The hook keeps one generator (not one per device string), so a resumed run draws on where the saved
+    one stopped; on CUDA the same holds on another GPU index (tests/test_gpu_streams.py)."""
     state, hook = comm.compression_hook(comm.RandomK(0.1), transport=Loopback())
     hook(state, _bucket(seed=0)).wait()
     saved = state.state_dict()

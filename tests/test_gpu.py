@@ -85,7 +85,8 @@ def test_timeline_watch_puts_cuda_events_on_the_host_clock(monkeypatch):
 
 def test_reducer_recorder_takes_the_gpu_start_at_launch_before_the_work_is_queued(monkeypatch):
     """A transport on the current stream queues its work between launch() and watch(): a start event
-    recorded in watch() would follow that work (issue 22, item 6), so launch() records it."""
+    recorded in watch() would follow that work and leave it out of the bucket's GPU time, so launch()
+    records it."""
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)

@@ -1,10 +1,12 @@
-"""Issue 22 on CUDA (marked gpu: skipped without CUDA): streams, host syncs and the timeline's GPU start.
+"""What only a GPU shows (marked gpu: skipped without CUDA): streams, host syncs and the timeline's GPU start.
 
-Each fix has its test here: the hook's side stream (1), RandomK's generator on another GPU (2, with
-test_comm_gpu.py), CupyNccl's own stream (3), the failed-backward status without a host sync (4),
-Sign and PowerSGD without host syncs (5, 8), the timeline's start event taken at launch (6), and
-SyncBatchNorm beside a compression hook on NCCL with two GPUs (the hang of 1). "Sleep" is
-torch.cuda._sleep: GPU time on a stream while the host goes on, a slow peer made visible.
+A section each: the hook's exchange on a side stream, and with it SyncBatchNorm beside a compression
+hook on NCCL with two GPUs (the hook's collectives, from its worker thread, and SyncBatchNorm's, from
+autograd, interleave: they must not hang); RandomK's generator after a resume on another GPU (with
+test_comm_gpu.py); CupyNccl on its own stream; the failed-backward status, Sign and PowerSGD without a
+host sync (one stalls the host until the GPU has drained, every step); the timeline's start event taken
+at launch. "Sleep" is torch.cuda._sleep: GPU time on a stream while the host goes on, a slow peer made
+visible.
 """
 import functools
 import warnings
@@ -89,7 +91,7 @@ def _no_sync(fn):
         torch.cuda.set_sync_debug_mode("default")
 
 
-# ---- 1: the hook's exchange on its own side stream ------------------------------------------------
+# ---- the hook's exchange on its own side stream ---------------------------------------------------
 
 def test_the_hooks_exchange_runs_on_a_side_stream_and_the_compute_stream_waits_only_at_the_future():
     device, transport = _device(), SleepOnCurrentStream()
@@ -140,7 +142,7 @@ def test_syncbatchnorm_beside_a_compression_hook_on_nccl_does_not_hang():
     assert run_ranks(_syncbn_beside_hook_on_nccl, 2, init=False, timeout=180) == [True, True]
 
 
-# ---- 2: RandomK's generator after a resume on another GPU -----------------------------------------
+# ---- RandomK's generator after a resume on another GPU --------------------------------------------
 
 def test_randomk_after_a_resume_on_another_gpu_draws_the_positions_the_run_would_have_drawn():
     first, last = torch.device("cuda", 0), torch.device("cuda", torch.cuda.device_count() - 1)
@@ -155,7 +157,7 @@ def test_randomk_after_a_resume_on_another_gpu_draws_the_positions_the_run_would
     resumed.close()
 
 
-# ---- 3: CupyNccl on its own stream ----------------------------------------------------------------
+# ---- CupyNccl on its own stream -------------------------------------------------------------------
 
 def _cupy_stream_worker():
     env = minidp.init(backend="nccl", timeout=60)
@@ -179,7 +181,7 @@ def test_cupy_nccl_runs_on_its_own_stream_and_the_caller_waits_at_the_future():
     assert all(out.values()), out
 
 
-# ---- 4: the failed-backward status without a host sync ---------------------------------------------
+# ---- the failed-backward status without a host sync ------------------------------------------------
 
 def _step(model, opt, x, y):
     opt.zero_grad()
@@ -217,7 +219,7 @@ def test_the_status_on_the_host_makes_no_host_sync_where_on_the_device_it_reads_
     assert out["host"] == 0, out
 
 
-# ---- 5 and 8: Sign and PowerSGD on CUDA without host syncs -------------------------------------------
+# ---- Sign and PowerSGD on CUDA without host syncs ----------------------------------------------------
 
 def test_sign_bit_packing_on_the_gpu_makes_no_host_sync_and_matches_the_cpu():
     bits = torch.rand(800, generator=torch.Generator().manual_seed(0)) > 0.5
@@ -244,7 +246,7 @@ def test_multi_round_methods_run_on_cuda_without_a_host_sync_and_as_on_the_cpu(m
     assert torch.allclose(results["cuda"], results["cpu"], rtol=1e-4, atol=1e-5)
 
 
-# ---- 6: the timeline's GPU start, taken at launch ----------------------------------------------------
+# ---- the timeline's GPU start, taken at launch -------------------------------------------------------
 
 def _timeline_current_stream_worker():
     env = minidp.init(backend="nccl", timeout=60)
