@@ -2,8 +2,9 @@
 
 Built on minidp.launch, so a failing rank re-raises here as WorkerFailed with its traceback, a hung
 run ends with TimeoutError, and no worker outlives the test. Also the small helpers several test
-files share: error_of() (an error as a value, so one process can try many cases), and write_pid() /
-assert_dead() (no process outlives a failure).
+files share: error_of() (an error as a value, so one process can try many cases), write_pid() /
+assert_dead() (no process outlives a failure), done() and Loopback (a finished future, a one-rank
+transport), and sizes_and_keys() (what the bucket planner reads of a list of tensors).
 
 Workers are forked from the pytest process where that is safe (see worker_start_method): a spawned
 worker spends ~4 s of CPU importing torch, and ~3 s more in its first torch DDP constructor (which
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import minidp
+from minidp import comm
 
 _launch_module = importlib.import_module("minidp.launcher.spawn")  # the module of minidp.launch
 _IMPORTED_BY = os.getpid()
@@ -162,3 +164,41 @@ def assert_dead(folder, world_size):
             pid = int(f.read())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def done(value):
+    """A torch Future that already holds `value`: what a hook or transport returns with nothing to wait for."""
+    future = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
+class Loopback(comm.Transport):
+    """A transport for one rank, with no process group: every collective is the identity.
+
+    Each collective hands its result to _done(), which a subclass may override (test_gpu_streams makes a
+    slow peer of it by sleeping on the GPU first).
+    """
+
+    rank, world_size = 0, 1
+
+    def check_device(self, device):
+        pass
+
+    def _done(self, tensor):
+        return done(tensor)
+
+    def all_reduce(self, tensor):
+        return self._done(tensor)
+
+    def all_gather(self, output, input):
+        return self._done(output.copy_(input.view_as(output)))
+
+    def all_to_all(self, output, input):
+        return self._done(output.copy_(input))
+
+
+def sizes_and_keys(tensors):
+    """What the bucket planner (minidp.engine.planning) reads of each tensor: its size in bytes, and the
+    (dtype, device) that decides which tensors may share a bucket."""
+    return [t.numel() * t.element_size() for t in tensors], [(t.dtype, t.device) for t in tensors]

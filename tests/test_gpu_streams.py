@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import minidp
-from harness import run_ranks
+from harness import Loopback, run_ranks
 from minidp import comm
 from minidp.comm.sign import pack_bits, unpack_signs
 from minidp.engine.hooks import GradBucket
@@ -31,36 +31,20 @@ SLEEP = 400_000_000  # cycles: ~0.2 s at 2 GHz
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
-class SleepOnCurrentStream(comm.Transport):
+class SleepOnCurrentStream(Loopback):
     """One rank; each collective first sleeps on the current stream (which it records): a slow peer."""
-
-    rank, world_size = 0, 1
 
     def __init__(self, cycles=SLEEP):
         self.cycles, self.streams = cycles, []
 
-    def check_device(self, device):
-        pass
-
     def _done(self, tensor):
         if not tensor.is_cuda:  # the same method on CPU tensors: the identity
-            fut = torch.futures.Future()
-            fut.set_result(tensor)
-            return fut
+            return super()._done(tensor)
         self.streams.append(torch.cuda.current_stream(tensor.device))
         torch.cuda._sleep(self.cycles)
         fut = torch.futures.Future(devices=[tensor.device])
         fut.set_result(tensor)  # stream semantics: wait() makes the waiting stream wait for the sleep
         return fut
-
-    def all_reduce(self, tensor):
-        return self._done(tensor)
-
-    def all_gather(self, output, input):
-        return self._done(output.copy_(input.view_as(output)))
-
-    def all_to_all(self, output, input):
-        return self._done(output.copy_(input))
 
 
 def _device():

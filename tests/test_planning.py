@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness import sizes_and_keys
 from minidp.engine.planning import MIB, UNBOUNDED, assign_buckets, bucket_limits, plan_initial, plan_rebuilt
 
 DTYPES = [torch.float32, torch.float64, torch.float16]
@@ -14,17 +15,13 @@ def _random_tensors(rng, n):
     return [torch.empty(rng.choice([1, 7, 100, 5000, 70000, 300000]), dtype=rng.choice(DTYPES)) for _ in range(n)]
 
 
-def _sizes_keys(tensors):
-    return [t.numel() * t.element_size() for t in tensors], [(t.dtype, t.device) for t in tensors]
-
-
 @pytest.mark.parametrize("seed", range(40))
 def test_initial_assignment_equals_torch(seed):
     rng = random.Random(seed)
     tensors = _random_tensors(rng, rng.randint(1, 30))
     limits = rng.choice([[UNBOUNDED], [MIB, 25 * MIB], [4096], [1000, 50000], [MIB]])
     expected, _ = dist._compute_bucket_assignment_by_size(tensors, limits)
-    assert assign_buckets(*_sizes_keys(tensors), limits) == expected
+    assert assign_buckets(*sizes_and_keys(tensors), limits) == expected
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -36,7 +33,7 @@ def test_rebuilt_assignment_equals_torch(seed):
     rng.shuffle(order)
     limits = rng.choice([[MIB, 25 * MIB], [4096], [1000, 50000]])
     expected, _ = dist._compute_bucket_assignment_by_size([tensors[i] for i in order], limits, [], order)
-    assert plan_rebuilt(*_sizes_keys(tensors), limits, order) == expected
+    assert plan_rebuilt(*sizes_and_keys(tensors), limits, order) == expected
 
 
 def test_limits_policy():

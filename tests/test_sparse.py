@@ -15,15 +15,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
-from harness import error_of, run_ranks
+from harness import error_of, run_ranks, sizes_and_keys
 from minidp.engine.planning import MIB, UNBOUNDED, assign_buckets, plan_rebuilt
 from training import shard_of, snapshot, train
 
 # ---- planning: a sparse parameter gets a bucket of its own, where torch puts it -----------------
-
-
-def _sizes_keys(tensors):
-    return [t.numel() * t.element_size() for t in tensors], [(t.dtype, t.device) for t in tensors]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -34,11 +30,11 @@ def test_assignment_with_sparse_equals_torch(seed):
     sparse = [rng.random() < 0.3 for _ in range(n)]
     limits = rng.choice([[UNBOUNDED], [MIB, 25 * MIB], [4096], [1000, 50000]])
     expected, _ = dist._compute_bucket_assignment_by_size(tensors, limits, sparse)
-    assert assign_buckets(*_sizes_keys(tensors), limits, sparse=sparse) == expected
+    assert assign_buckets(*sizes_and_keys(tensors), limits, sparse=sparse) == expected
     order = list(range(n))
     rng.shuffle(order)
     expected, _ = dist._compute_bucket_assignment_by_size([tensors[i] for i in order], limits, sparse, order)
-    assert plan_rebuilt(*_sizes_keys(tensors), limits, order, sparse) == expected
+    assert plan_rebuilt(*sizes_and_keys(tensors), limits, order, sparse) == expected
 
 
 # ---- training: parity with torch DDP ---------------------------------------------------------------
