@@ -16,16 +16,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
-from harness import run_ranks
+from harness import done, error_of, run_ranks
 from models import build
 
 # ---- the comm-hook contract ---------------------------------------------------------------------
-
-
-def _done(value):
-    future = torch.futures.Future()
-    future.set_result(value)
-    return future
 
 
 def torch_typed(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -45,11 +39,11 @@ def other_names(process_group, grads):  # torch looks the annotation up by the n
 
 
 def bucket_is_int(state, bucket: int):
-    return _done(bucket.buffer())
+    return done(bucket.buffer())
 
 
 def returns_int(state, bucket) -> int:
-    return _done(bucket.buffer())
+    return done(bucket.buffer())
 
 
 def returns_tensor(state, bucket):
@@ -61,23 +55,21 @@ def returns_none(state, bucket):  # torch DDP crashes the process (segfault): mi
 
 
 def too_short(state, bucket):
-    return _done(bucket.buffer()[:-1].clone())
+    return done(bucket.buffer()[:-1].clone())
 
 
 def value_is_int(state, bucket):
-    return _done(3)
+    return done(3)
 
 
 def value_is_double(state, bucket):  # torch copies it into the float buffer: the same gradients
-    return _done(bucket.buffer().double() / dist.get_world_size())
+    return done(bucket.buffer().double() / dist.get_world_size())
 
 
 def _outcome(fn, *args):
-    """fn(*args)'s result, or (exception type name, message) of what it raises."""
-    try:
-        return fn(*args)
-    except Exception as exc:  # noqa: BLE001 - the type is what the test compares
-        return type(exc).__name__, str(exc)
+    """fn(*args)'s result, or harness.error_of's (exception type name, message) of what it raised."""
+    result = []
+    return error_of(lambda: result.append(fn(*args))) or result[0]
 
 
 def _register_and_step(engine, hook, twice=False):
