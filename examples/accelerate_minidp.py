@@ -12,7 +12,8 @@ Accelerate shards), once without gradient accumulation and once with accumulate(
 (Accelerate then calls minidp's no_sync()), under each engine in turn in the same processes:
 accelerate.Accelerator (torch DDP) and minidp.accelerate.Accelerator. Rank 0 prints, per run, the
 gathered losses and a fingerprint of the weights' bytes, then whether the two engines' weights are
-bitwise equal. Needs `pip install 'minidp[accelerate]'`. A few seconds on a CPU.
+bitwise equal. Needs Accelerate (`make` installs it; elsewhere `pip install -e '.[accelerate]'` from the clone).
+A few seconds on a CPU.
 """
 import argparse
 import hashlib

@@ -2,7 +2,8 @@
 
 train_torchvision.py and train_dali.py differ only in how images reach the model; everything else
 (command line, the ResNet-18, engine, optimizer and warm-up, mixed precision, exact evaluation,
-checkpoints, the JSON report) lives here, and the synthetic image set in synthetic.py.
+checkpoints, the JSON report) lives here, the synthetic image set in synthetic.py, and the progress
+line every long-running example shows in progress.py (common.Progress too).
 """
 from __future__ import annotations
 
@@ -17,13 +18,12 @@ from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from synthetic import draw_image, ensure_synthetic, write_synthetic  # noqa: F401 - examples/synthetic.py, also as common.*
 from torch import nn
-from torchvision.models.resnet import BasicBlock
 
 import minidp
 from minidp.data.dali import IMAGENET_MEAN, IMAGENET_STD
+from progress import Progress, duration, rate_and_eta  # noqa: F401 - examples/progress.py, also as common.*
 
 MEAN, STD = IMAGENET_MEAN, IMAGENET_STD  # torchvision's Normalize values, the DALI loader's defaults
 DEFAULT_LR = {"sgd": 0.05, "lars": 0.05, "lamb": 2e-3, "novograd": 5e-3}  # base lr for one worker, before scaling
@@ -76,6 +76,7 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     if "--tiny" in (argv if argv is not None else sys.argv[1:]):
         p.set_defaults(**TINY)
     args = p.parse_args(argv)
+    check_data_dir(p, args)
     args.lr = DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
     return args
 
@@ -87,6 +88,14 @@ def run(worker: Callable, args: argparse.Namespace) -> None:
     else:
         minidp.launch(worker, nprocs=args.nproc_per_node, args=(args,), nnodes=args.nnodes,
                       node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
+
+
+def check_data_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a --data that is not an image folder root now, in one line, before any worker starts."""
+    for split in ("train", "val") if args.data else ():
+        if not os.path.isdir(os.path.join(args.data, split)):
+            parser.error(f"--data {args.data!r} has no {split}/ folder: expected an ImageFolder root with "
+                         "train/<class>/<image> and val/<class>/<image>")
 
 
 # ----------------------------------------------------------------------------- data
@@ -119,6 +128,11 @@ class Loaders:
 # ----------------------------------------------------------------------------- model and engine
 def resnet18_cifar(num_classes: int = 10, width: int = 64) -> nn.Module:
     """torchvision's ResNet-18 with the CIFAR stem (3x3 conv, stride 1, no max-pool), base `width`."""
+    # Imported here, not at the top: torchvision pulls in torch._dynamo (a second on 2 cores, in every
+    # worker), which the DALI example and the tests of the other helpers do not need.
+    import torchvision
+    from torchvision.models.resnet import BasicBlock
+
     model = torchvision.models.resnet18(num_classes=num_classes)
     model.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
     model.maxpool = nn.Identity()  # 32x32 inputs are too small to downsample 4x in the stem

@@ -1,11 +1,12 @@
 """A new gradient compressor in about 20 lines, trained with: TernGrad (Wen et al. 2017).
 
-    python examples/custom_hook.py                          # 2 CPU workers, 300 steps, about 20 s
+    python examples/custom_hook.py                          # 2 CPU workers, 300 steps per run
     python examples/custom_hook.py --steps 50 --nproc-per-node 2
     python -m minidp.run --nproc-per-node 2 examples/custom_hook.py
 
 It trains the same small classifier twice (exact all-reduce, then TernGrad through
-minidp.comm.compression_hook) and prints each run's loss, accuracy and bytes sent per step.
+minidp.comm.compression_hook), shows rank 0's progress, and prints each run's loss, accuracy and bytes
+sent per step.
 minidp.comm does the rest: overlap with backward, the exchange (all-gather, since every rank's
 scale differs), averaging, byte counting, the same hook on minidp.DDP or torch DDP.
 """
@@ -20,6 +21,7 @@ from torch import nn
 
 import minidp
 from minidp import comm
+from progress import Progress  # examples/progress.py: a bar on a terminal, else a line every few steps
 
 
 # ----------------------------------------------------------------------------- the new compressor
@@ -45,7 +47,7 @@ class TernGrad(comm.Compressor):
 
 
 # ----------------------------------------------------------------------------- training with it
-def train(env: minidp.DistEnv, compressor, steps: int) -> dict:
+def train(env: minidp.DistEnv, compressor, steps: int, name: str) -> dict:
     """Train a small classifier on a teacher's labels; each rank draws its own batches."""
     torch.manual_seed(0)
     model = minidp.DDP(nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 10)).to(env.device))
@@ -56,12 +58,15 @@ def train(env: minidp.DistEnv, compressor, steps: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(123)).to(env.device)
     gen = torch.Generator().manual_seed(env.rank)
+    progress = Progress(steps, f"{name} training", every=max(1, steps // 5))
     for _ in range(steps):
         x = torch.randn(64, 32, generator=gen).to(env.device)
         loss = F.cross_entropy(model(x), (x @ teacher).argmax(1))
         opt.zero_grad()
         loss.backward()  # minidp.comm compresses and averages each bucket here
         opt.step()
+        progress.step()
+    progress.close()
     x = torch.randn(2048, 32, generator=torch.Generator().manual_seed(999)).to(env.device)
     with torch.no_grad():
         accuracy = (model.module(x).argmax(1) == (x @ teacher).argmax(1)).float().mean().item()
@@ -73,7 +78,7 @@ def train(env: minidp.DistEnv, compressor, steps: int) -> dict:
 def worker(local_rank: int, args: argparse.Namespace) -> None:
     env = minidp.init()
     for name, compressor in (("exact all-reduce", None), ("TernGrad", TernGrad())):
-        r = train(env, compressor, args.steps)
+        r = train(env, compressor, args.steps, name)
         minidp.print0(f"{name:>16}: loss {r['loss']:.3f}  accuracy {r['accuracy']:.3f}  "
                       f"bytes sent per step {r['bytes_per_step']:,.0f}")
     minidp.shutdown()

@@ -6,7 +6,8 @@
 A small regression MLP trains for 2 epochs (SGD with momentum, a shuffled loader that Lightning shards
 with its DistributedSampler, 2 batches accumulated per optimizer step: Lightning calls minidp's no_sync()).
 Rank 0 prints the final loss and a fingerprint of the weights' bytes: both engines print the same
-(bitwise equal weights). Needs `pip install 'minidp[lightning]'`. A few seconds on a CPU.
+(bitwise equal weights). Needs Lightning (`make` installs it; elsewhere `pip install -e '.[lightning]'` from the
+clone). A few seconds on a CPU.
 """
 import argparse
 import hashlib

@@ -6,7 +6,8 @@
 The same training as train_torchvision.py (same options, model, optimizer, evaluation and
 checkpoints); only the data path differs: each rank's DALI pipeline (minidp.data.image_folder_loader)
 reads its own shard of the image folder and decodes it, on the rank's GPU when CUDA is present
-("mixed" decode), else on the CPU. Needs NVIDIA DALI (pip install 'minidp[dali]').
+("mixed" decode), else on the CPU. Needs NVIDIA DALI (`make` installs it; elsewhere `pip install -e '.[dali]'`
+from the clone: minidp is not on PyPI).
 
 Differences from the torchvision path: DALI shards the files itself (shard sizes differ by at most
 one; no DistributedSampler), training drops each shard's incomplete last batch, and validation

@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
+from progress import rate_and_eta  # examples/progress.py, shared with the other examples
 
 
 # ----------------------------------------------------------------------------- the model
@@ -173,7 +174,7 @@ def train(args) -> dict:
     ckpt = os.path.join(args.out_dir, "ckpt.pt") if args.out_dir else None
     start = minidp.load_checkpoint(ckpt, raw, opt)["step"] if args.resume and ckpt else 0
     ctx = torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    losses = []
+    losses, began = [], time.perf_counter()
     for step in range(start, args.max_steps):
         t0 = time.perf_counter()
         for group in opt.param_groups:
@@ -190,7 +191,9 @@ def train(args) -> dict:
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if step % args.log_every == 0 or step == args.max_steps - 1:
-            minidp.print0(f"step {step}: loss {losses[-1]:.4f}, {1e3 * (time.perf_counter() - t0):.0f} ms")
+            done, now = step + 1 - start, time.perf_counter()
+            minidp.print0(f"step {step}: loss {losses[-1]:.4f}, {1e3 * (now - t0):.0f} ms, "
+                          f"{rate_and_eta(done, args.max_steps - start, now - began)}")
     if ckpt:
         os.makedirs(args.out_dir, exist_ok=True)
         minidp.save_checkpoint(ckpt, raw, opt, step=args.max_steps)  # every rank calls it: ranks meet here

@@ -5,8 +5,9 @@
     python examples/train_torchvision.py --engine ddp --sync-bn --optimizer lars --data ~/imagefolder
 
 Without --data, a synthetic 10-class set (shapes and colours plus noise) is written once per node.
-Each worker reads its share through minidp.DistributedSampler; rank 0 shows a progress bar, prints
-per-epoch loss and exact validation accuracy, and writes a checkpoint per epoch (--checkpoint).
+Each worker reads its share through minidp.DistributedSampler; rank 0 shows its progress (a bar on a
+terminal, else a line every few steps with the rate and the time left), prints per-epoch loss and exact
+validation accuracy, and writes a checkpoint per epoch (--checkpoint).
 Restarted by torchrun --max-restarts or `python -m minidp.run --max-restarts`, it resumes from the
 newest checkpoint there (common.resume).
 """
@@ -21,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
-from tqdm import tqdm
 
 import common
 import minidp
@@ -65,9 +65,7 @@ def train_one_epoch(model, opt, sched, loaders: common.Loaders, env, epoch: int,
     scaler = common.grad_scaler(args, env.device) if scaler is None else scaler
     cuda = env.device.type == "cuda"
     loss_sum, count = torch.zeros((), device=env.device), 0
-    # Rank 0 only; disable=None also turns the bar off when stderr is not a terminal (logs stay clean).
-    bar = tqdm(total=loaders.steps_per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
-               disable=None if minidp.is_main() else True, dynamic_ncols=True)
+    progress = common.Progress(loaders.steps_per_epoch, f"epoch {epoch + 1}/{args.epochs}")  # rank 0 shows it
     for step, (images, labels) in enumerate(loaders.train):
         if step == loaders.steps_per_epoch:
             break
@@ -87,10 +85,11 @@ def train_one_epoch(model, opt, sched, loaders: common.Loaders, env, epoch: int,
         step_times.append(time.perf_counter() - start)
         loss_sum += loss.detach() * labels.numel()
         count += labels.numel()
-        bar.update()
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{sched.get_last_lr()[0]:.4f}")
-    bar.close()
+        if step % 10 == 0:  # .item() waits for the device: not every step
+            progress.step(loss=f"{loss.item():.3f}", lr=f"{sched.get_last_lr()[0]:.4f}")
+        else:
+            progress.step()
+    progress.close()
     return minidp.all_reduce_sums({"loss_sum": loss_sum, "count": count})  # ranks meet here
 
 

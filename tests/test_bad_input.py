@@ -8,7 +8,6 @@ This table holds the modules without one: minidp/runtime/ranks.py and minidp/tra
 Everything here fails before any collective, so no process group is needed.
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 import minidp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))  # examples/ is not a package
 
 CASES = [
     # (id, call, exception, words that must appear in the message)
@@ -42,6 +42,31 @@ def test_bad_input_is_named(call, error, words):
     for word in words:
         assert word in str(info.value), str(info.value)
 
+
+
+# ----------------------------------------------------------------------------- the examples' --data
+@pytest.mark.parametrize("example, data, words", [
+    ("train_torchvision", "no/such/dir", "--data 'no/such/dir' has no train/ folder"),
+    ("train_dali", "no/such/dir", "--data 'no/such/dir' has no train/ folder"),
+    ("train_lm", "no/such/file.txt", "--data='no/such/file.txt' is not a file"),
+])
+def test_an_example_refuses_a_bad_data_path_before_it_starts_a_worker(example, data, words, monkeypatch, capsys):
+    """One line from argparse, exit status 2, and no worker started (a worker would fail later, in a traceback
+    nested in the launcher's). In this process: the examples' main() is what `python examples/...` runs."""
+    if example == "train_dali":
+        pytest.importorskip("nvidia.dali")
+    module = __import__(example)
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError(f"{example} started its workers with --data {data!r}")
+    monkeypatch.setattr(minidp, "launch", no_launch)
+    for name in ("RANK", "LOCAL_RANK"):  # as a plain `python examples/...` command: the example would launch
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as info:
+        module.main(["--data", data, "--tiny"])
+    err = capsys.readouterr().err
+    # argparse's usage, then the one line that says what is wrong; no traceback
+    assert info.value.code == 2 and f"error: {words}" in err.strip().splitlines()[-1] and "Traceback" not in err, err
 
 
 # ----------------------------------------------------------------------------- minidp.DDP's keywords

@@ -9,6 +9,7 @@ examples/train_torchvision.py` (a worker spawned) and its `torchrun --nproc-per-
 A few pure checks of the shared pieces need no process at all.
 """
 import argparse
+import io
 import json
 import os
 import re
@@ -148,3 +149,36 @@ def test_demo_compares_checkpoints_written_by_minidp(tmp_path):
         next(model.parameters()).add_(0.5)
     minidp.save_checkpoint(tmp_path / "b.pt", model)
     assert demo.max_difference(str(tmp_path / "a.pt"), str(tmp_path / "b.pt"))[0] == pytest.approx(0.5)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(monkeypatch):
+    """Rank 0 shows where a long run is: plain lines with the rate and the time left when stdout is a file."""
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", log)
+    progress = common.Progress(20, "epoch 1/3", show=True)  # every 2 steps: a tenth of 20
+    for step in range(20):
+        progress.step(**({"loss": f"{1 / (step + 1):.3f}"} if step % 10 == 0 else {}))
+    progress.close()
+    lines = log.getvalue().splitlines()
+    assert [int(re.match(r"epoch 1/3: step (\d+)/20, [\d.]+ steps/s, ETA \d+ s, loss [\d.]+$", line).group(1))
+            for line in lines] == [1, *range(2, 21, 2)], lines
+    assert lines[-1].endswith("ETA 0 s, loss 0.091")  # the last loss given, kept until replaced
+    assert common.rate_and_eta(0, 10, 0.0) == "0.00 steps/s, ETA ?" and common.duration(200) == "3.3 min"
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    bar = common.Progress(5, "TernGrad training", show=True)
+    for _ in range(5):
+        bar.step()
+    assert bar.bar.n == 5 and "\rTernGrad training:" in terminal.getvalue()  # tqdm's bar, redrawn in place
+    bar.close()
+    assert "step 1/5" not in terminal.getvalue()  # no plain lines beside the bar
+    quiet = common.Progress(5, "rank 1", show=False)
+    quiet.step()
+    quiet.close()
+    assert "rank 1" not in terminal.getvalue()  # the other ranks show nothing
