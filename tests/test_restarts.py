@@ -1,4 +1,4 @@
-"""Surviving what clusters do (issue 21), with the real launchers: restarts after a lost worker, a stuck rank named.
+"""Surviving what clusters do, with the real launchers: restarts after a lost worker, a stuck rank named.
 
 Every launcher run of this file is registered at collection and runs in the background between other
 tests (tests/scripts/background.py; each in its own session, with its own port and a hard timeout that
@@ -9,7 +9,7 @@ kills its process tree); each test waits for its own:
   torchrun    torchrun --max-restarts 1: rank 1 SIGKILLs itself at step 20 of 40, attempt 0 only
   run         python -m minidp.run --max-restarts 1, the same
   stuck_*     tests/scripts/stuck_rank.py: rank 1 sleeps at step 5 under minidp.run and torchrun
-              (init(timeout=15), the issue's), and under minidp.launch (timeout=5, ranks forked)
+              (init(timeout=15)), and under minidp.launch (timeout=5, ranks forked)
   gives_up    python -m minidp.run --max-restarts 1 with a rank that fails every attempt
 """
 import os
@@ -40,7 +40,7 @@ TORCHRUN = os.path.join(VENV_BIN, "torchrun")
 RUN = [sys.executable, "-m", "minidp.run", "--nproc-per-node", "2"]
 TRAIN, STUCK = os.path.join(SCRIPTS, "restart_train.py"), os.path.join(SCRIPTS, "stuck_rank.py")
 TIMEOUT_S = 150  # per command: a hang ends here, its tree killed
-STUCK_TIMEOUT = 15  # init(timeout=15), as in the issue
+STUCK_TIMEOUT = 15  # init(timeout=15): the others must stop, naming the stuck rank, within it (plus SLACK_S)
 # "Within the timeout plus a few seconds": a few on an idle machine (benchmarks/RESULTS.md), more when loaded.
 SLACK_S = 20
 STEPS = 40  # the restarted runs' length; rank 1 is killed halfway
