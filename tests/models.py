@@ -1,6 +1,8 @@
 """Small models for the engine tests; each builder is seeded, so every call gives the same weights."""
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class MLP(nn.Module):
@@ -57,6 +59,32 @@ class MixedDtype(nn.Module):
 
     def forward(self, x):
         return self.b(torch.tanh(self.a(x)).double()).float()
+
+
+class WithUnused(nn.Module):
+    """a -> b -> (+ extra) -> c -> head, and a layer `unused` that no forward uses (static_graph's cases).
+
+    Args:
+        twice: b runs twice, under reentrant checkpointing (its gradient hooks fire twice). Default False.
+        skip_on_rank: that rank leaves `extra` out (an unused set that differs by rank, fixed in time).
+            Default None: every rank uses it.
+    """
+
+    def __init__(self, twice=False, skip_on_rank=None):
+        super().__init__()
+        self.a, self.b, self.extra, self.unused, self.c = (nn.Linear(6, 6) for _ in range(5))
+        self.head = nn.Linear(6, 1)
+        self.twice, self.skip_on_rank = twice, skip_on_rank
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.twice:
+            h = checkpoint(self.b, h, use_reentrant=True) + checkpoint(self.b, h, use_reentrant=True)
+        else:
+            h = self.b(h)
+        if self.skip_on_rank is None or self.skip_on_rank != dist.get_rank():
+            h = h + self.extra(h)
+        return self.head(torch.relu(self.c(h)))
 
 
 # "wide": a 288x288 layer, 82,944 weights: above the engine's small-gradient size (layout.SMALL_GRAD_NUMEL),

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 import minidp
 from harness import run_ranks
-from models import build, input_shape
+from models import WithUnused, build, input_shape
 from training import mean_square, rank_batches, snapshot, train
 
 ENGINES = {"minidp": minidp.DDP, "torch": TorchDDP}
@@ -127,23 +127,10 @@ def test_join_throw_on_early_termination_raises_on_every_rank_as_torch_ddp(two_r
 STATIC_STEPS = 5
 
 
-class _WithUnused(nn.Module):
-    """a -> b -> (+ extra) -> c -> head, and a layer `unused` that no forward uses."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.extra, self.unused, self.c = (nn.Linear(6, 6) for _ in range(5))
-        self.head = nn.Linear(6, 1)
-
-    def forward(self, x):
-        h = self.b(torch.tanh(self.a(x)))
-        return self.head(torch.relu(self.c(h + self.extra(h))))
-
-
 def _train_uneven_static(engine):
     """Rank r trains STATIC_STEPS + 2r steps under join(), past the static graph's late rebuild."""
     torch.manual_seed(0)
-    net = _WithUnused()
+    net = WithUnused()
     model = engine(net, static_graph=True, bucket_cap_mb=0.0008)  # several buckets once rebuilt
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     batches = rank_batches(STATIC_STEPS + 2 * dist.get_rank(), dist.get_rank(), seed=1, inputs=(4, 6), targets=None)

@@ -9,40 +9,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
-from torch.utils.checkpoint import checkpoint
 
 import minidp
 from harness import error_of, run_ranks
+from models import WithUnused
 from training import mean_square, train
 
 ENGINES = {"minidp": minidp.DDP, "torch": TorchDDP}
 STEPS = 5
 
 
-class Net(nn.Module):
-    """a -> b -> c, with an `unused` layer; `twice`: b runs twice under reentrant checkpointing;
-    `skip_on_rank`: that rank leaves `extra` out (an unused set that differs by rank, fixed in time)."""
-
-    def __init__(self, twice=False, skip_on_rank=None):
-        super().__init__()
-        self.a, self.b, self.extra, self.unused, self.c = (nn.Linear(6, 6) for _ in range(5))
-        self.head = nn.Linear(6, 1)
-        self.twice, self.skip_on_rank = twice, skip_on_rank
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        if self.twice:
-            h = checkpoint(self.b, h, use_reentrant=True) + checkpoint(self.b, h, use_reentrant=True)
-        else:
-            h = self.b(h)
-        if self.skip_on_rank != dist.get_rank():
-            h = h + self.extra(h)
-        return self.head(torch.relu(self.c(h)))
-
-
 def _train(engine, case: dict):
     torch.manual_seed(0)
-    net = Net(case.get("twice", False), case.get("skip_on_rank"))
+    net = WithUnused(case.get("twice", False), case.get("skip_on_rank"))
     kwargs = {k: v for k, v in case.items() if k not in ("twice", "skip_on_rank", "set_later")}
     if not case.get("set_later"):
         kwargs["static_graph"] = True
