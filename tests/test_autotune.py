@@ -17,7 +17,7 @@ import minidp
 from harness import run_ranks
 from minidp.engine import autocap
 from models import build
-from training import offset_by_rank, rank_batches, snapshot, train
+from training import bitwise_equal, offset_by_rank, rank_batches, snapshot, train
 
 CANDIDATES = (0.0005, 0.002, 0.01, 1)  # MiB: 3 distinct layouts of the test MLP (0.01 and 1: one bucket)
 STEPS = autocap.ROUNDS * 3 * (autocap.STEPS + 1) + 4  # every visit of the 3 layouts, and a few after
@@ -58,7 +58,7 @@ def _worker():
         auto, auto_params = _train(minidp.DDP, "auto", pair)
         _, theirs = _train(TorchDDP, auto.auto_bucket_cap.chosen, pair)
         out["pair"] = {"chosen": auto.auto_bucket_cap.chosen,
-                       "bitwise": all(torch.equal(a, b) for a, b in zip(auto_params, theirs))}
+                       "bitwise": bitwise_equal(auto_params, theirs)}
     return out
 
 

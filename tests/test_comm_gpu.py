@@ -15,7 +15,7 @@ from harness import run_ranks
 from minidp import comm
 from minidp.comm.context import RandomStream
 from models import build
-from training import rank_batches, train
+from training import bitwise_equal, rank_batches, train
 
 pytestmark = pytest.mark.gpu
 
@@ -33,10 +33,6 @@ def _train(engine, device, hook=None, steps=4, **ddp_kwargs):
     batches = [(x.to(device), y.to(device)) for x, y in rank_batches(steps, dist.get_rank())]
     train(model, torch.optim.SGD(model.parameters(), lr=0.1), batches)
     return [p.detach().cpu() for p in module.parameters()]
-
-
-def _same(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _cupy_primitives(device):
@@ -67,13 +63,13 @@ def _world_of_one_nccl():
     out = {"backend": dist.get_backend(), "primitives": _cupy_primitives(device)}
     reference = _train(TorchDDP, device)
     for engine in (TorchDDP, minidp.DDP):  # the exact average over the CuPy transport, as a hook
-        out[f"allreduce_hook_{engine.__module__}"] = _same(reference, _train(engine, device,
-                                                                             (comm.CupyNccl(), comm.allreduce_hook)))
+        hooked = _train(engine, device, (comm.CupyNccl(), comm.allreduce_hook))
+        out[f"allreduce_hook_{engine.__module__}"] = bitwise_equal(reference, hooked)
     # the engine's default path over it: minidp.DDP(model, transport=comm.CupyNccl())
-    out["engine_transport"] = _same(reference, _train(minidp.DDP, device, transport=comm.CupyNccl()))
+    out["engine_transport"] = bitwise_equal(reference, _train(minidp.DDP, device, transport=comm.CupyNccl()))
     fp16 = _train(TorchDDP, device, (None, default_hooks.fp16_compress_hook))
-    out["fp16_cupy"] = _same(fp16, _train(minidp.DDP, device, comm.compression_hook(comm.FP16(),
-                                                                                    transport=comm.CupyNccl())))
+    out["fp16_cupy"] = bitwise_equal(fp16, _train(minidp.DDP, device,
+                                                  comm.compression_hook(comm.FP16(), transport=comm.CupyNccl())))
     for name, make in COMPRESSORS.items():
         for transport in (comm.CupyNccl, comm.TorchDist):
             state, hook = comm.compression_hook(make(), memory=comm.ErrorFeedback(), transport=transport())
@@ -100,10 +96,11 @@ def test_cupy_transport_and_compressors_on_one_gpu():
 def _two_ranks_on_one_gpu_over_gloo():
     env = minidp.init(backend="gloo", timeout=60)
     device = env.device
-    out = {"exact": _same(_train(TorchDDP, device), _train(minidp.DDP, device))}
+    out = {"exact": bitwise_equal(_train(TorchDDP, device), _train(minidp.DDP, device))}
     fp16 = _train(TorchDDP, device, (None, default_hooks.fp16_compress_hook))
     for engine in (TorchDDP, minidp.DDP):
-        out[f"fp16_{engine.__module__}"] = _same(fp16, _train(engine, device, comm.compression_hook(comm.FP16())))
+        hooked = _train(engine, device, comm.compression_hook(comm.FP16()))
+        out[f"fp16_{engine.__module__}"] = bitwise_equal(fp16, hooked)
     return out
 
 

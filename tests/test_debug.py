@@ -18,7 +18,7 @@ import minidp
 from harness import error_of, run_ranks
 from minidp.engine import debug as debug_mode
 from models import build, input_shape
-from training import mean_square, rank_batches, snapshot, train
+from training import max_abs_diff, mean_square, rank_batches, snapshot, train
 
 # name: (model, join() keywords, no_sync on every other step)
 CASES_2 = {"mlp": ("mlp", {}, False), "cnn_bn_accumulate": ("cnn_bn", {}, True)}
@@ -54,7 +54,7 @@ def _debug_join_worker(batches_per_rank, cases):
             checks.clear()
             ours = _train(minidp.DDP, model_name, join_kwargs, accumulate, n)
             theirs = _train(TorchDDP, model_name, join_kwargs, accumulate, n)
-            out["diff"][name] = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
+            out["diff"][name] = max_abs_diff(ours, theirs)
             out["checks"][name] = list(checks)
     finally:
         debug_mode.check = real_check

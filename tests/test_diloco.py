@@ -19,7 +19,7 @@ import minidp
 from harness import error_of, run_ranks
 from minidp import comm
 from models import build
-from training import rank_batches, snapshot, train
+from training import bitwise_equal, max_abs_diff, rank_batches, snapshot, train
 
 ENGINES = ("plain", "minidp", "views", "torch")  # a plain module, minidp.DDP (also with bucket views), torch DDP
 PERIOD, STEPS = 3, 8  # syncs after steps 3 and 6; the run ends mid-period (ranks differ at the end)
@@ -173,8 +173,8 @@ def _resume(folder):
     inner2.load_state_dict(saved["inner"])
     diloco2.load_state_dict(saved["diloco"])
     _train(model2, inner2, diloco2, batches[4:])
-    same = all(torch.equal(a, b) for a, b in zip(module.parameters(), module2.parameters()))
-    same_global = all(torch.equal(a, b) for a, b in zip(diloco.global_params, diloco2.global_params))
+    same = bitwise_equal(module.parameters(), module2.parameters())
+    same_global = bitwise_equal(diloco.global_params, diloco2.global_params)
     bad = dict(saved["diloco"], global_params=[torch.zeros(3)])
     return {"same": same, "same_global": same_global, "stats": (diloco.stats(), diloco2.stats()),
             "bad_shapes": error_of(lambda: diloco2.load_state_dict(bad))}
@@ -190,10 +190,6 @@ def two(tmp_path_factory):
     return run_ranks(_world_of_two, 2, str(tmp_path_factory.mktemp("diloco")), timeout=120)
 
 
-def _max_diff(a, b):
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
-
-
 def _trainable_of(run):
     """The run's parameter lists without the frozen first bias (index 1 in module.parameters())."""
     return {key: run[key][:1] + run[key][2:] for key in ("after_sync", "params")}
@@ -206,13 +202,13 @@ def test_diloco_equals_the_papers_algorithm_on_every_engine(two):
             params, theta = cases["reference_plain" if name == "plain" else "reference_ddp"]
             run = cases[name]
             # bitwise (measured max abs difference 0.0): at world size 2 a sum of two terms has one order
-            assert _max_diff(run["params"], params) == 0 and _max_diff(run["global"], theta) == 0, name
+            assert max_abs_diff(run["params"], params) == 0 and max_abs_diff(run["global"], theta) == 0, name
             assert run["synced"] == [t % PERIOD == 0 for t in range(1, STEPS + 1)], name
             assert run["grads_kept"], name
     for name in ENGINES:  # every rank ends a sync bitwise identical; local steps then differ
         runs = [_trainable_of(two[r]["reference"][name]) for r in (0, 1)]
-        assert all(torch.equal(a, b) for a, b in zip(runs[0]["after_sync"], runs[1]["after_sync"])), name
-        assert _max_diff(runs[0]["params"], runs[1]["params"]) > 0, name
+        assert bitwise_equal(runs[0]["after_sync"], runs[1]["after_sync"]), name
+        assert max_abs_diff(runs[0]["params"], runs[1]["params"]) > 0, name
     # the plain module: trainable weights came from rank 0; the frozen bias (index 1) was left alone
     plain = [two[r]["reference"]["plain"]["params"][1] for r in (0, 1)]
     assert torch.allclose(plain[1] - plain[0], torch.full_like(plain[0], 0.01))
@@ -220,7 +216,7 @@ def test_diloco_equals_the_papers_algorithm_on_every_engine(two):
 
 def test_outer_sgd_at_lr_1_is_parameter_averaging_every_period_steps(two):
     for result in two:  # not bitwise: global - (global - mean) rounds (measured 3.7e-9)
-        assert _max_diff(result["averaging"]["diloco"], result["averaging"]["averaging"]) <= 1e-6
+        assert max_abs_diff(result["averaging"]["diloco"], result["averaging"]["averaging"]) <= 1e-6
 
 
 def test_bytes_are_the_broadcast_and_the_syncs_and_dense_is_every_gradient(two):
@@ -241,7 +237,7 @@ def test_warmup_averages_gradients_then_syncs_every_period_local_steps(two):
         assert run["synced"] == [False, False, False, False, True, False, False, True]
         # 2 warm-up steps of gradients, the broadcast after them, 2 syncs
         assert run["stats"]["bytes_sent"] == 5 * size and run["stats"]["bytes_dense"] == STEPS * size
-    assert all(torch.equal(a, b) for a, b in zip(warm[0]["after_warmup"], warm[1]["after_warmup"]))
+    assert bitwise_equal(warm[0]["after_warmup"], warm[1]["after_warmup"])
 
 
 def test_resume_from_a_checkpoint_is_bitwise_the_uninterrupted_run(two):

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import minidp
 from harness import done, error_of, run_ranks
 from models import build
+from training import bitwise_equal, snapshot
 
 # ---- the comm-hook contract ---------------------------------------------------------------------
 
@@ -119,7 +120,7 @@ def test_comm_hook_contract_errors_as_torch_ddp():
                     assert isinstance(ours, tuple) and ours[0] == theirs[0], (name, ours, theirs)
                 else:
                     assert isinstance(ours, list), (name, ours)
-                    assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), name
+                    assert bitwise_equal(ours, theirs), name
         expected = {
             # Each message starts with torch DDP's own sentence (torch's test_c10d_gloo.py matches on it).
             "not_callable": ("TypeError", ["Communication hook must be callable.", "hook=42"]),
@@ -160,10 +161,6 @@ def _step(model, opt, step):
     opt.zero_grad()
 
 
-def _params(model):
-    return [p.detach().clone() for p in model.parameters()]
-
-
 def _sgd(model, state=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if state is not None:
@@ -192,7 +189,7 @@ def _save_worker(folder):
             for step in range(SAVED_AT, STEPS):
                 _step(model, opt, step)
                 _step(twin, twin_opt, step)
-            out[name, "unsaved"], out[name, "deepcopy"] = _params(model), _params(twin)
+            out[name, "unsaved"], out[name, "deepcopy"] = snapshot(model), snapshot(twin)
         subgroup = dist.new_group([0, 1])  # not the default group: neither engine pickles it
         out[label, "subgroup"] = _outcome(torch.save, engine(build("mlp"), process_group=subgroup),
                                           os.path.join(folder, f"never_{dist.get_rank()}.pt"))
@@ -207,17 +204,13 @@ def _load_worker(folder):
         opt = _sgd(model)
         for step in range(STEPS):
             _step(model, opt, step)
-        out[name, "loaded_fresh"] = _params(model)
+        out[name, "loaded_fresh"] = snapshot(model)
         saved = torch.load(os.path.join(folder, f"{name}_trained_{dist.get_rank()}.pt"), weights_only=False)
         model, opt = saved["model"], _sgd(saved["model"], saved["opt"])
         for step in range(SAVED_AT, STEPS):
             _step(model, opt, step)
-        out[name, "loaded_trained"] = _params(model)
+        out[name, "loaded_trained"] = snapshot(model)
     return out
-
-
-def _equal(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_pickled_model_trains_on_in_a_fresh_process_group_as_torch_ddp(tmp_path):
@@ -228,10 +221,10 @@ def test_pickled_model_trains_on_in_a_fresh_process_group_as_torch_ddp(tmp_path)
             unsaved = before[name, "unsaved"]
             for copy_kind in ("deepcopy", "loaded_fresh", "loaded_trained"):
                 got = before.get((name, copy_kind)) or after[name, copy_kind]
-                assert _equal(got, unsaved), (name, copy_kind)
-        assert _equal(before["minidp", "unsaved"], before["torch", "unsaved"])
+                assert bitwise_equal(got, unsaved), (name, copy_kind)
+        assert bitwise_equal(before["minidp", "unsaved"], before["torch", "unsaved"])
         # torch DDP drops a registered comm hook from the reducer it rebuilds on load; minidp keeps it.
-        assert not _equal(after["torch_fp16", "loaded_trained"], before["torch_fp16", "unsaved"])
+        assert not bitwise_equal(after["torch_fp16", "loaded_trained"], before["torch_fp16", "unsaved"])
         for label in ENGINES:
             error = before[label, "subgroup"]
             assert isinstance(error, tuple) and error[0] == "RuntimeError", (label, error)

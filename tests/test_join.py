@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 import minidp
 from harness import run_ranks
 from models import WithUnused, build, input_shape
-from training import mean_square, rank_batches, snapshot, train
+from training import max_abs_diff, mean_square, rank_batches, snapshot, train
 
 ENGINES = {"minidp": minidp.DDP, "torch": TorchDDP}
 
@@ -72,7 +72,7 @@ def _join_worker(batches_per_rank):
     for name, (model_name, kwargs) in JOIN_CASES.items():
         ours = _train_with_join(minidp.DDP, model_name, kwargs, n)
         theirs = _train_with_join(TorchDDP, model_name, kwargs, n)
-        out[name] = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
+        out[name] = max_abs_diff(ours, theirs)
     return out
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from minidp.train.optim import LAMB, LARS, NovoGrad, exclude_bias_and_norm
-from training import train
+from training import max_abs_diff, train
 
 F64 = torch.float64
 TOL = 1e-12
@@ -84,10 +84,6 @@ def _run(make_optimizer, params, grads):
     return [p.detach() for p in params]
 
 
-def _max_diff(ours, reference):
-    return max((a - b).abs().max().item() for a, b in zip(ours, reference))
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_lars_matches_paper(seed):
     params, grads = _problem(seed)
@@ -97,7 +93,7 @@ def test_lars_matches_paper(seed):
         lars_reference(p, [g[i] for g in grads], LRS, kw["momentum"], kw["weight_decay"] if i < 2 else 0.0,
                        kw["trust_coefficient"], kw["eps"], trust_ratio=i < 2)
         for i, p in enumerate(params)]
-    assert _max_diff(ours, reference) <= TOL
+    assert max_abs_diff(ours, reference) <= TOL
     assert not torch.equal(ours[1], params[1])  # the all-zero tensor moved (local lr 1)
 
 
@@ -111,7 +107,7 @@ def test_lamb_matches_paper(clamp, bias_correction):
         lamb_reference(p, [g[i] for g in grads], LRS, kw["betas"], kw["eps"], kw["weight_decay"] if i < 2 else 0.0,
                        trust_ratio=i < 2, clamp=clamp, bias_correction=bias_correction)
         for i, p in enumerate(params)]
-    assert _max_diff(ours, reference) <= TOL
+    assert max_abs_diff(ours, reference) <= TOL
 
 
 def _steps_like_torch(ours, theirs, seed=3):
@@ -189,8 +185,8 @@ def test_novograd_matches_paper_over_20_steps(weight_decay, averaging):
         with torch.no_grad():
             for p, w in zip(params, new):
                 p.copy_(w)
-    assert _max_diff(list(ours.parameters()), list(theirs.parameters())) <= 1e-6
-    assert _max_diff(list(ours.parameters()), list(_novograd_model().parameters())) > 1e-3  # it did train
+    assert max_abs_diff(list(ours.parameters()), list(theirs.parameters())) <= 1e-6
+    assert max_abs_diff(list(ours.parameters()), list(_novograd_model().parameters())) > 1e-3  # it did train
 
 
 def test_novograd_state_is_one_number_per_layer_and_a_zero_gradient_keeps_it_finite():

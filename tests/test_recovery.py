@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import minidp
 from harness import run_ranks
 from minidp.engine.recovery import status_on_host
-from training import offset_by_rank, shard_of, snapshot
+from training import bitwise_equal, offset_by_rank, shard_of, snapshot
 
 STEPS, SHARD = 6, 4
 CAP_MB = 0.004  # two buckets once rebuilt: the failure falls between them (one launched, one not)
@@ -108,12 +108,11 @@ def _nan_gradients(engine):
 
 
 def _worker():
-    out = {"nan_gradients_equal": all(torch.equal(a, b) for a, b in zip(_nan_gradients(minidp.DDP),
-                                                                          _nan_gradients(TorchDDP)))}
+    out = {"nan_gradients_equal": bitwise_equal(_nan_gradients(minidp.DDP), _nan_gradients(TorchDDP))}
     for name, cfg in _scenarios(dist.get_world_size()).items():
         ours, errors = _train(minidp.DDP, cfg, fail=True)
         reference, _ = _train(TorchDDP, cfg, fail=False)
-        out[name] = {"equal": all(torch.equal(a, b) for a, b in zip(ours, reference)), "errors": errors}
+        out[name] = {"equal": bitwise_equal(ours, reference), "errors": errors}
     # torch DDP itself, failing on every rank: it refuses every later step.
     out["torch_ddp"] = _train(TorchDDP, _scenarios(dist.get_world_size())["every_rank"], fail=True, steps=5)[1]
     return out

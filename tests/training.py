@@ -1,4 +1,4 @@
-"""The training loop the engine tests share, and the small pieces around it (batches, snapshots).
+"""The training loop the engine tests share, and the small pieces around it (batches, snapshots, comparisons).
 
 Most engine tests train the same model for a few steps under minidp.DDP and under torch DDP, then
 compare what each ends with. The loop is the one a user's script runs; what differs from test to test
@@ -90,3 +90,14 @@ def snapshot(module, buffers=False):
     """Copies of the module's parameters (then its buffers, with buffers=True), detached from autograd."""
     tensors = list(module.parameters()) + (list(module.buffers()) if buffers else [])
     return [t.detach().clone() for t in tensors]
+
+
+def bitwise_equal(a, b):
+    """Whether two sequences of tensors are equally long and equal element by element, bit for bit."""
+    a, b = list(a), list(b)
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def max_abs_diff(a, b):
+    """The largest absolute difference between corresponding tensors of two sequences."""
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
