@@ -1,7 +1,8 @@
 """bucket_cap_mb="auto": time a few bucket caps during the first iterations, keep rank 0's fastest.
 
-A feature beside the core: the layout (layout.py) calls `AutoCap.retune` before each forward that
-may sync, and adopts the cap it returns. Nothing else in the engine knows about it.
+A feature beside the core: modes.py makes one for the layout (layout.py), which calls
+`AutoCap.retune` before each forward that may sync; retune switches the layout's cap through its
+public methods (`plan_with_cap`, `use_cap`). Nothing else in the engine knows about it.
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import planning
 from .collectives import global_rank
 
 CANDIDATE_CAPS_MB = (1, 5, 25, 100)
@@ -30,7 +30,7 @@ class AutoCap:
     How, as the layout runs it (layout.BucketLayout.maybe_replan -> retune, before each forward that may sync):
       * the first iteration runs as torch DDP's does (one bucket, or the construction layout with
         find_unused_parameters); from the next forward on, each candidate cap in turn lays out the
-        buckets (`plan_for(layout, cap)`: the layout torch DDP would use with that cap) for one untimed step
+        buckets (`layout.plan_with_cap(cap)`: the layout torch DDP would use with that cap) for one untimed step
         (fresh buffers) and STEPS timed ones; ROUNDS rounds, the second in reverse order (A B C C B A),
         and each candidate's median over all its timed steps counts;
       * candidates whose layout equals an earlier candidate's are skipped (the same buckets run the same);
@@ -113,25 +113,13 @@ class AutoCap:
         """Before a forward: step the timing; switch the layout's cap, or adopt rank 0's fastest for good.
 
         Args:
-            layout: the reducer's BucketLayout (its `cap`, and `adopt` for the new plan).
+            layout: the reducer's BucketLayout (through its public methods: plan_with_cap, use_cap).
             completed: synced iterations completed on every rank (the clock ticks by it).
         """
-        cap = self.step(completed, lambda cap: plan_for(layout, cap))
+        cap = self.step(completed, layout.plan_with_cap)
         if cap is None:  # every candidate timed
             best = torch.tensor([self.fastest()], dtype=torch.int64, device=layout.device)
             if layout.world_size > 1:  # ranks meet here: every rank adopts rank 0's choice
                 dist.broadcast(best, src=global_rank(layout.process_group, 0), group=layout.process_group)
             cap = self.chosen = self.candidates[int(best.item())]
-        if cap != layout.cap:
-            layout.cap = cap
-            layout.adopt(plan_for(layout, cap))
-
-
-def plan_for(layout, bucket_cap_mb) -> list[list[int]]:
-    """The layout torch DDP would use with `bucket_cap_mb` after its first iteration."""
-    sizes, keys = layout._sizes_and_keys()
-    if layout.needs_rebuild:
-        limits = planning.bucket_limits(bucket_cap_mb, first_iteration=False, needs_rebuild=True)
-        return planning.plan_rebuilt(sizes, keys, limits, layout.rebuilt_order, layout.sparse)
-    limits = planning.bucket_limits(bucket_cap_mb, first_iteration=True, needs_rebuild=False)
-    return planning.plan_initial(sizes, keys, limits, layout.sparse)
+        layout.use_cap(cap)  # fresh buckets if the cap changed

@@ -12,10 +12,11 @@ import torch
 
 
 class Divisor:
-    """What the default path divides by: the world size, and DDP's float64 reciprocal (join.py: a count)."""
+    """The default path's divisor: the world size, with DDP's float64 1/N (join.py: a count)."""
 
     def __init__(self, value: int):
-        self.value, self.reciprocal = value, 1.0 / value
+        self.value = value
+        self.reciprocal = 1.0 / value
 
 
 class Bucket:
@@ -29,22 +30,24 @@ class Bucket:
     sparse = False
 
     def __init__(self, index: int, param_indices: list[int], params: list):
-        self.index, self.param_indices = index, list(param_indices)
-        self.offsets = list(itertools.accumulate((params[i].numel() for i in param_indices), initial=0))
+        self.index = index
+        self.param_indices = list(param_indices)
+        self.offsets = [0, *itertools.accumulate(params[i].numel() for i in param_indices)]
         first = params[param_indices[0]]
         # Empty, not zeros: every slot is written (gradient or zeros) before each all-reduce.
         self.buffer = torch.empty(self.offsets.pop(), dtype=first.dtype, device=first.device)
-        self.views = [flat_view(self.buffer, o, params[i]) for i, o in zip(param_indices, self.offsets)]
+        slots = zip(param_indices, self.offsets)
+        self.views = [flat_view(self.buffer, offset, params[i]) for i, offset in slots]
 
     def copy_in(self, slot: int, param, grad: torch.Tensor, divisor: Divisor | None) -> None:
         """Put one gradient into its slot; `divisor` None: unscaled (a comm hook averages)."""
         if divisor is None:
             self.views[slot].copy_(grad)
         else:
-            torch.mul(grad, divisor.reciprocal, out=self.views[slot])  # DDP: multiply by 1/N while copying
+            torch.mul(grad, divisor.reciprocal, out=self.views[slot])  # DDP: times 1/N, copying
 
     def copy_later(self, waiting: list, divisor: Divisor | None) -> None:
-        """At launch: copy the small gradients that waited, `(slot, grad)` pairs, in one batched op."""
+        """At launch: copy the small gradients that waited, (slot, grad) pairs, in one batch."""
         views = [self.views[slot] for slot, _ in waiting]
         torch._foreach_copy_(views, [grad for _, grad in waiting])
         if divisor is not None and len(views) == len(self.views):
@@ -57,19 +60,21 @@ class Bucket:
         self.views[slot].zero_()
 
     def zeros(self) -> torch.Tensor:
-        """A buffer of zeros, for a rank that only matches the others' collectives (join, recovery)."""
+        """A buffer of zeros, for a rank that only matches the others' collectives (join.py)."""
         return torch.zeros_like(self.buffer)
 
     def write_back(self, result: torch.Tensor, params: list, unused: set) -> None:
-        """Each parameter's `.grad` gets its slice of `result`, this bucket's reduced buffer (one batched copy).
+        """Each parameter's `.grad` gets its slice of `result`, the reduced buffer (in one batch).
 
         A parameter no rank produced a gradient for (`unused`) keeps its `.grad` (None), as in DDP.
         """
-        grads, slices = [], []
+        grads = []
+        slices = []
         for slot, i in enumerate(self.param_indices):
             if i in unused:
                 continue
-            out = self.views[slot] if result is self.buffer else flat_view(result, self.offsets[slot], params[i])
+            out = (self.views[slot] if result is self.buffer
+                   else flat_view(result, self.offsets[slot], params[i]))
             if params[i].grad is None:  # no gradient on this rank (find_unused_parameters)
                 params[i].grad = out.clone()
             else:
@@ -80,9 +85,9 @@ class Bucket:
 
 
 def flat_view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    """`like.numel()` elements of a flat buffer from `offset`, shaped like `like`: as DDP's bucket views,
-    with `like`'s strides when its memory is dense (channels_last stays channels_last), else C-contiguous."""
-    if like.is_contiguous() or _non_overlapping_and_dense(like):  # is_contiguous: the common case, in C
+    """`like.numel()` elements of a flat buffer from `offset`, shaped like `like`, as DDP's bucket
+    views: with `like`'s strides if its memory is dense (channels_last stays), else contiguous."""
+    if like.is_contiguous() or _non_overlapping_and_dense(like):  # the common case first, in C
         return buffer.as_strided(like.shape, like.stride(), buffer.storage_offset() + offset)
     return buffer[offset:offset + like.numel()].view(like.shape)
 

@@ -2,7 +2,9 @@
 
 Scripts and libraries written for torch DDP read its attributes, call its legacy helpers and private
 APIs, pickle it, and mark parameters to ignore. None of this is needed to average gradients; it is
-here, as a base class of minidp.DistributedDataParallel, so that ddp.py shows the engine alone.
+here, so that ddp.py shows the engine alone: the wrapper's constructor calls the functions
+(`ignored_names`, `buffer_sync`, `set_torch_attributes`), its forward `buffers_to_sync`, and the
+methods torch DDP has are those of `TorchCompat`, a base class of minidp.DistributedDataParallel.
 """
 from __future__ import annotations
 
@@ -15,43 +17,46 @@ from .devices import move_inputs
 from .static_graph import set_static_graph
 
 
+def ignored_names(module: nn.Module) -> set:
+    """The names set by _set_params_and_buffers_to_ignore_for_model: neither broadcast nor averaged."""
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
+def buffer_sync(broadcast_buffers, forward_sync_buffers) -> tuple[bool, bool]:
+    """(sync buffers at construction, in every forward): torch >= 2.14 splits broadcast_buffers
+    (both; None means True) into construction and forward_sync_buffers (forward only, when given)."""
+    broadcast_buffers = True if broadcast_buffers is None else broadcast_buffers
+    if forward_sync_buffers is None:
+        return broadcast_buffers, broadcast_buffers
+    return True, forward_sync_buffers
+
+
+def set_torch_attributes(ddp, output_device, dim, batched_grad_copy, device_mesh) -> None:
+    """torch DDP's other public attributes on the wrapper `ddp`, with its values, for scripts that read them."""
+    named_buffers = {n: b for n, b in ddp.module.named_buffers() if n not in ddp.parameters_to_ignore}
+    ddp.device_ids = None if ddp.input_device is None else [ddp.input_device.index]  # as DDP's
+    ddp.device_type = ddp.device.type if ddp.device is not None else None
+    ddp.output_device, ddp.dim, ddp.device_mesh = output_device, dim, device_mesh
+    ddp.forward_sync_buffers = ddp.broadcast_buffers  # torch >= 2.14's name for it
+    ddp.batched_grad_copy = batched_grad_copy  # accepted: small gradients are copied in batches anyway
+    ddp.divide_by_initial_world_size = True  # set by join_hook(), under join()
+    ddp.named_module_buffers, ddp.modules_buffers = named_buffers, list(named_buffers.values())
+    ddp._ignored_buffers = len(named_buffers) != sum(1 for _ in ddp.module.buffers())
+    ddp.mixed_precision, ddp.is_multi_device_module, ddp.skip_all_reduce_unused_params = None, False, False
+    ddp.bucket_bytes_cap_default = ddp.bucket_cap_mb is None
+    ddp.use_side_stream_for_tensor_copies = False  # inputs are copied on the current stream (move_inputs)
+
+
+def buffers_to_sync(ddp) -> list[torch.Tensor]:
+    """The module's buffers but those set to be ignored (_set_params_and_buffers_to_ignore_for_model)."""
+    if not ddp._ignored_buffers:
+        return list(ddp.module.buffers())
+    return [b for n, b in ddp.module.named_buffers() if n not in ddp.parameters_to_ignore]
+
+
 class TorchCompat:
-    """torch DDP's attributes, helpers and private APIs, with its values and behaviour."""
-
-    @staticmethod
-    def ignored_names(module: nn.Module) -> set:
-        """The names set by _set_params_and_buffers_to_ignore_for_model: neither broadcast nor averaged."""
-        return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-
-    @staticmethod
-    def buffer_sync(broadcast_buffers, forward_sync_buffers) -> tuple[bool, bool]:
-        """(sync buffers at construction, in every forward): torch >= 2.14 splits broadcast_buffers
-        (both; None means True) into construction and forward_sync_buffers (forward only, when given)."""
-        broadcast_buffers = True if broadcast_buffers is None else broadcast_buffers
-        if forward_sync_buffers is None:
-            return broadcast_buffers, broadcast_buffers
-        return True, forward_sync_buffers
-
-    def set_torch_attributes(self, named_buffers: dict, *, device_ids, output_device, dim, forward_sync_buffers,
-                             batched_grad_copy, device_mesh) -> None:
-        """torch DDP's other public attributes, with its values, for scripts that read them."""
-        self.device_ids = None if device_ids is None else [device_ids.index]  # as DDP's
-        self.device_type = self.device.type if self.device is not None else None
-        self.output_device, self.dim, self.device_mesh = output_device, dim, device_mesh
-        self.forward_sync_buffers = self.broadcast_buffers  # torch >= 2.14's name for it
-        self.batched_grad_copy = batched_grad_copy  # accepted: small gradients are copied in batches anyway
-        self.divide_by_initial_world_size = True  # set by join_hook(), under join()
-        self.named_module_buffers, self.modules_buffers = named_buffers, list(named_buffers.values())
-        self._ignored_buffers = len(named_buffers) != sum(1 for _ in self.module.buffers())
-        self.mixed_precision, self.is_multi_device_module, self.skip_all_reduce_unused_params = None, False, False
-        self.bucket_bytes_cap_default = self.bucket_cap_mb is None
-        self.use_side_stream_for_tensor_copies = False  # inputs are copied on the current stream (move_inputs)
-
-    def buffers_to_sync(self) -> list[torch.Tensor]:
-        """The module's buffers but those set to be ignored (_set_params_and_buffers_to_ignore_for_model)."""
-        if not self._ignored_buffers:
-            return list(self.module.buffers())
-        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+    """torch DDP's methods and properties, with its values and behaviour (a base class of the wrapper,
+    whose constructor and forward call none of them)."""
 
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts the buffers (DDP's method of that name)."""

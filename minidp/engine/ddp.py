@@ -1,7 +1,10 @@
-"""minidp.DistributedDataParallel: the nn.Module wrapper. Construct, forward, no_sync, register_comm_hook.
+"""minidp.DistributedDataParallel: the nn.Module wrapper. Construct, forward, no_sync, comm hooks.
 
-A drop-in for torch DDP: same keywords, `.module`, state_dict keys. The averaging is reducer.py's;
-what exists only because torch DDP has it is compat.py's; join() is join.py's.
+A drop-in for torch DDP: same keywords, `.module`, state_dict keys. The averaging is reducer.py's.
+The other methods are its base classes', second read: what torch DDP has (_set_static_graph,
+_register_builtin_comm_hook, pickling, to_kwargs, ...) in compat.py; join() and the Join protocol
+in join.py; enable_timeline(), bucket_plan(), auto_bucket_cap in inspection.py. The constructor
+and forward call none of them: only second-read modules' functions, one line each.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import compat, join, modes
 from . import debug as debug_mode
 from .arguments import check_arguments, check_transport, group_of_mesh
 from .collectives import broadcast_coalesced, check_same_model
@@ -20,23 +24,22 @@ from .devices import check_devices, check_sync_batchnorm, move_inputs
 from .graph_split import ModuleRunner, forward_outside_dynamo
 from .hook_checks import check_comm_hook, hook_name
 from .inspection import Inspection
-from .join import JoinableDDP, broadcast_from_last_trainer
+from .join import JoinableDDP
 from .progress import track_progress
 from .recovery import close_failed_step
 from .reducer import Reducer
-from .sparse import sparse_gradient_flags
 
 
 class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
     """Average gradients over ranks during backward, bucket by bucket, as torch DDP does.
 
     Args: torch DDP's keywords, with its defaults and meanings: module (on this rank's device),
-        device_ids, broadcast_buffers, init_sync, process_group or device_mesh, bucket_cap_mb (25 MiB,
-        the first bucket 1 MiB), find_unused_parameters, gradient_as_bucket_view, static_graph
-        (output_device, dim, check_reduction ignored, as in torch); and minidp's own:
-        bucket_cap_mb="auto": time a few caps in the first iterations, keep the fastest (autocap.py);
-        debug: check every step that all ranks reduce the same thing (debug.py). Default: MINIDP_DEBUG=1;
-        transport: a minidp.comm transport for the default all-reduce (other wires). Default None.
+        device_ids, broadcast_buffers, init_sync, process_group or device_mesh, bucket_cap_mb
+        (25 MiB, the first bucket 1 MiB), find_unused_parameters, gradient_as_bucket_view,
+        static_graph (output_device, dim, check_reduction ignored, as in torch); minidp's own:
+        bucket_cap_mb="auto": time a few caps in the first steps, keep the fastest (autocap.py);
+        debug: check every step that all ranks reduce the same thing (debug.py). Default:
+        MINIDP_DEBUG=1; transport: a minidp.comm transport for the default all-reduce. Default None.
 
     Example:
         model = minidp.DDP(model.to(minidp.init().device))
@@ -48,70 +51,79 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, debug: bool | None = None, transport=None,
-                 forward_sync_buffers: bool | None = None, batched_grad_copy: bool = False, device_mesh=None,
-                 **unsupported):
+                 forward_sync_buffers: bool | None = None, batched_grad_copy: bool = False,
+                 device_mesh=None, **unsupported):
         super().__init__()  # nn.Module's, and Joinable's (join.py) on the way
         process_group = group_of_mesh(device_mesh, process_group)
-        flags = dict(broadcast_buffers=broadcast_buffers, init_sync=init_sync, static_graph=static_graph, debug=debug,
-                     find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=gradient_as_bucket_view,
+        flags = dict(broadcast_buffers=broadcast_buffers, init_sync=init_sync,
+                     static_graph=static_graph, debug=debug,
+                     find_unused_parameters=find_unused_parameters,
+                     gradient_as_bucket_view=gradient_as_bucket_view,
                      forward_sync_buffers=forward_sync_buffers, batched_grad_copy=batched_grad_copy)
         check_arguments(module, bucket_cap_mb, process_group, flags, unsupported)
-        self.parameters_to_ignore = self.ignored_names(module)  # neither broadcast nor averaged
-        all_named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
-        named_buffers = {n: b for n, b in module.named_buffers() if n not in self.parameters_to_ignore}
-        self.input_device = check_devices([p for _, p in all_named], device_ids)  # inputs go there (None: stay)
+        ignored = compat.ignored_names(module)  # neither broadcast nor averaged
+        self.parameters_to_ignore = ignored
+        all_named = [(n, p) for n, p in module.named_parameters() if n not in ignored]
+        named_buffers = {n: b for n, b in module.named_buffers() if n not in ignored}
+        self.input_device = check_devices([p for _, p in all_named], device_ids)  # inputs go there
         if not dist.is_initialized():
             raise RuntimeError("minidp.DDP needs a process group: call minidp.init() first")
-        self.module, self._comm_hook = module, None  # _comm_hook: (state, hook) once registered
+        self.module = module
+        self._comm_hook = None  # (state, hook) once registered
         self.process_group = dist.group.WORLD if process_group is None else process_group
-        self.device = all_named[0][1].device if all_named else None  # as DDP's: the module's device
+        self.device = all_named[0][1].device if all_named else None  # as DDP's: the module's
         check_sync_batchnorm(module, self.device)
-        self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
-        self.gradient_as_bucket_view, self.bucket_cap_mb = gradient_as_bucket_view, bucket_cap_mb
-        sync_buffers_at_init, self.broadcast_buffers = self.buffer_sync(broadcast_buffers, forward_sync_buffers)
+        self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.bucket_cap_mb = bucket_cap_mb
+        # torch >= 2.14 splits broadcast_buffers in two: (at construction, in every forward).
+        at_init, in_forward = compat.buffer_sync(broadcast_buffers, forward_sync_buffers)
+        self.broadcast_buffers = in_forward
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # whether the next forward broadcasts buffers
         self.debug = debug_mode.debug_from_env() if debug is None else debug
         self.has_buffers = bool(named_buffers)  # else skip the walk on every forward
         self.transport = check_transport(transport, module, self.process_group)
-        self.set_torch_attributes(named_buffers, device_ids=self.input_device, output_device=output_device, dim=dim,
-                                  forward_sync_buffers=forward_sync_buffers, batched_grad_copy=batched_grad_copy,
-                                  device_mesh=device_mesh)
+        compat.set_torch_attributes(self, output_device, dim, batched_grad_copy, device_mesh)
         named = [(n, p) for n, p in all_named if p.requires_grad]
-        settings = [f"bucket_cap_mb={bucket_cap_mb}", f"find_unused_parameters={find_unused_parameters}",
+        settings = [f"bucket_cap_mb={bucket_cap_mb}",
+                    f"find_unused_parameters={find_unused_parameters}",
                     f"gradient_as_bucket_view={gradient_as_bucket_view}",
                     f"transport={None if transport is None else type(transport).__name__}"]
-        check_same_model(named, list(named_buffers.items()), settings, self.process_group)  # ranks meet here
+        buffers = list(named_buffers.items())
+        check_same_model(named, buffers, settings, self.process_group)  # ranks meet here
         if not named:
             raise RuntimeError("minidp.DDP: the module has no parameter that requires a gradient; "
                                "there is nothing to average (DDP is not needed)")
         if init_sync:
             states = [p for _, p in all_named]
-            states += list(named_buffers.values()) if sync_buffers_at_init else []
+            states += list(named_buffers.values()) if at_init else []
             broadcast_coalesced(states, self.process_group)  # ranks meet here: rank 0's weights win
-        self._build_reducer(named)
-        # The module; compiled, in bucket-sized pieces (cut at the default caps while "auto" is undecided).
-        self._run_module = ModuleRunner(module, None if bucket_cap_mb == "auto" else bucket_cap_mb)
+        mode = self._build_reducer(named)
+        self._run_module = ModuleRunner(module, mode.compile_cap)  # compiled in bucket-sized pieces
 
-    def _build_reducer(self, named: list) -> None:
-        """The reducer on this rank's (name, parameter) pairs: at construction, and after unpickling (compat.py)."""
-        params, names = [p for _, p in named], [n for n, _ in named]
-        sparse = sparse_gradient_flags(self.module, params, names, self.process_group, self.transport)
-        self.reducer = Reducer(
-            params, names, sparse, process_group=self.process_group, bucket_cap_mb=self.bucket_cap_mb,
-            find_unused_parameters=self.find_unused_parameters, gradient_as_bucket_view=self.gradient_as_bucket_view,
-            static_graph=self.static_graph, debug=self.debug, transport=self.transport)
-        track_progress(self)  # for minidp.init()'s watchdog: a stuck or lost rank named (progress.py)
+    def _build_reducer(self, named: list) -> modes.Mode:
+        """Build the reducer on (name, parameter) pairs (again when unpickled); returns its mode."""
+        params = [p for _, p in named]
+        names = [n for n, _ in named]
+        mode = modes.choose(self, params, names)  # the readiness policy, the bucket kinds, the cap
+        self.reducer = Reducer(params, names, mode, process_group=self.process_group,
+                               debug=self.debug, transport=self.transport)
+        track_progress(self)  # for minidp.init()'s watchdog, which names a stuck or lost rank
+        return mode
 
     def forward(self, *inputs, **kwargs):
-        """Three steps: the collectives before the module, the module, then arm the reducer for backward."""
+        """Three steps: the collectives before the module, the module, then arm the reducer."""
         if torch.compiler.is_compiling():
-            # torch.compile(minidp.DDP(m)) traces this: run it as Python, the module compiled (graph_split.py).
-            return torch.compiler.disable(forward_outside_dynamo, recursive=False)(self, inputs, kwargs)
+            # torch.compile(minidp.DDP(m)) traces this: run it as Python, the module compiled.
+            outside_dynamo = torch.compiler.disable(forward_outside_dynamo, recursive=False)
+            return outside_dynamo(self, inputs, kwargs)
         syncing = torch.is_grad_enabled() and self.require_backward_grad_sync
         divisor = self._pre_forward(syncing)
         if self.input_device is not None:
-            inputs, kwargs = move_inputs(inputs, self.input_device), move_inputs(kwargs, self.input_device)
+            inputs = move_inputs(inputs, self.input_device)
+            kwargs = move_inputs(kwargs, self.input_device)
         output = self._run_module(*inputs, **kwargs)
         # As in DDP, whether the *next* forward broadcasts buffers depends on this one syncing.
         self.require_forward_param_sync = syncing
@@ -120,35 +132,36 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
         return output
 
     def _pre_forward(self, syncing: bool):
-        """Every collective that comes before the module, in DDP's order; returns join()'s divisor or None."""
-        close_failed_step(self.reducer)  # ranks meet here only if this rank's last backward raised (recovery.py)
-        divisor = self.join_notice()  # ranks meet here under join() (join.py): who still trains?
-        if syncing or self._join_config.enable:  # under join() every forward: joined ranks cannot know
-            debug_mode.check_step(self.reducer, debug_mode.FORWARD)  # ranks meet here in debug mode only
+        """Every collective before the module, in DDP's order; returns join()'s divisor or None."""
+        close_failed_step(self.reducer)  # ranks meet here only if this rank's last backward raised
+        divisor = join.notify_joined_ranks(self)  # ranks meet here under join(): who still trains?
+        if syncing or self._join_config.enable:  # under join(): always (joined ranks can't know)
+            debug_mode.check_step(self.reducer, debug_mode.FORWARD)  # ranks meet here in debug mode
         self._sync_before_module(joined=False)
-        self.join_vote()  # ranks meet here under join(): "do we sync gradients this iteration?"
+        join.vote_to_sync(self)  # ranks meet here under join(): do we sync gradients this time?
         return divisor
 
     def _sync_before_module(self, joined: bool) -> None:
-        """The rebuild and the buffers: collectives that a rank whose data ran out (`joined`) shadows too."""
-        if joined or torch.is_grad_enabled():
-            self.reducer.layout.maybe_replan(self.reducer.completed)  # ranks meet here, once, after the first step
+        """The rebuild and the buffers: collectives a rank out of data (`joined`) shadows too."""
+        if joined or torch.is_grad_enabled():  # ranks meet here, once, after the first step
+            self.reducer.layout.maybe_replan(self.reducer.completed)
         if self.require_forward_param_sync and self.broadcast_buffers and self.has_buffers:
             self.sync_buffers(joined)  # ranks meet here
 
     def sync_buffers(self, joined: bool) -> None:
-        """Broadcast the buffers from rank 0 (under join(): from the highest rank still training)."""
-        buffers = self.buffers_to_sync()  # all but those set to be ignored (compat.py)
+        """Broadcast the buffers from rank 0 (under join(): the highest rank still training)."""
+        buffers = compat.buffers_to_sync(self)  # all but those set to be ignored
         if not buffers:
             return
+        group = self.process_group
         if self._join_config.enable:  # ranks meet here, joined ones too
-            broadcast_from_last_trainer(buffers, self.process_group, self.join_device, training=not joined)
+            join.broadcast_from_last_trainer(buffers, group, self.reducer.device, not joined)
         else:
-            broadcast_coalesced(buffers, self.process_group)  # ranks meet here
+            broadcast_coalesced(buffers, group)  # ranks meet here
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally (forward and backward inside); the next synced backward averages the sum."""
+        """Inside, gradients accumulate locally; the next synced backward averages their sum."""
         old = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -157,19 +170,20 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
             self.require_backward_grad_sync = old
 
     def register_comm_hook(self, state, hook: Callable) -> None:
-        """Replace the all-reduce of each bucket by `hook(state, bucket) -> Future[Tensor]`, once, before training.
+        """Replace each bucket's all-reduce by `hook(state, bucket) -> Future[Tensor]`, once.
 
-        DDP's contract (hooks.py): the hook gets the plain sum of this rank's gradients and averages;
-        its future's value is the reduced buffer. `state` is passed to every call.
+        DDP's contract (hooks.py): the hook gets the plain sum of this rank's gradients and
+        averages; its future's value is the reduced buffer. `state` is passed to every call.
+        Register it before training.
         """
         check_comm_hook(hook)  # TypeError / ValueError, as torch DDP's _check_comm_hook
         if self.reducer.comm_hook is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once. minidp: "
-                               f"a communication hook is registered already ({hook_name(self.reducer.comm_hook)})")
-        self.reducer.comm_hook, self.reducer.comm_state = hook, state
-        if not self.reducer.layout.allocate:  # world size 1: now there are buckets; the hook sees them all (DDP)
-            self.reducer.layout.allocate = True
-            self.reducer.layout.adopt(self.reducer.layout.plan)
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be "
+                               "called once. minidp: a communication hook is registered already "
+                               f"({hook_name(self.reducer.comm_hook)})")
+        self.reducer.comm_hook = hook
+        self.reducer.comm_state = state
+        self.reducer.layout.allocate_buffers()  # world size 1: buckets now; the hook sees them all
         self._comm_hook = (state, hook)  # re-registered when a pickled copy is loaded (compat.py)
 
 

@@ -34,9 +34,13 @@ class GradBucket:
         parameter's gradient in the buffer), is_last (the last bucket of the iteration).
     """
 
-    def __init__(self, index: int, buffer: torch.Tensor, parameters: list, offsets: list, is_last: bool):
-        self._index, self._buffer, self._params = index, buffer, parameters
-        self._offsets, self._is_last = offsets, is_last
+    def __init__(self, index: int, buffer: torch.Tensor, parameters: list, offsets: list,
+                 is_last: bool):
+        self._index = index
+        self._buffer = buffer
+        self._params = parameters
+        self._offsets = offsets
+        self._is_last = is_last
 
     def index(self) -> int:
         return self._index
@@ -56,10 +60,12 @@ class GradBucket:
 
     def gradients(self) -> list:
         """Per-parameter views of the buffer, shaped like the parameters."""
-        return [self._buffer[o:o + p.numel()].view_as(p) for p, o in zip(self._params, self._offsets)]
+        pairs = zip(self._params, self._offsets)
+        return [self._buffer[o:o + p.numel()].view_as(p) for p, o in pairs]
 
     def __repr__(self) -> str:
-        return f"GradBucket(index={self._index}, numel={self._buffer.numel()}, params={len(self._params)})"
+        numel = self._buffer.numel()
+        return f"GradBucket(index={self._index}, numel={numel}, params={len(self._params)})"
 
 
 def allreduce_sum_hook(process_group, bucket: GradBucket) -> torch.futures.Future:
@@ -68,14 +74,13 @@ def allreduce_sum_hook(process_group, bucket: GradBucket) -> torch.futures.Futur
     Returns the collective's own future, whose value is [buffer]: no Python callback has to run
     on the communication thread (which would need the GIL while backward runs).
     """
-    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)  # ranks meet here (async)
+    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)  # ranks meet here
     return work.get_future()
-
 
 
 @runtime_checkable
 class Transport(Protocol):
-    """What the engine needs of a `transport=` (the wires of the default all-reduce; minidp.comm has some).
+    """What the engine needs of a `transport=` (the default all-reduce's wires, as minidp.comm's).
 
     The engine only knows this shape, so it never imports minidp.comm: any object with these members
     works (minidp.comm.TorchDist and CupyNccl have them).
@@ -87,4 +92,4 @@ class Transport(Protocol):
         """Raise ValueError if this transport cannot carry tensors of `device`."""
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        """Start summing `tensor` over the ranks, in place; the future's value is the tensor (or [tensor])."""
+        """Start summing `tensor` over the ranks, in place; a future of the tensor (or [tensor])."""

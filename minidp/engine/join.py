@@ -19,6 +19,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from ..validate import check_bool
 from . import debug as debug_mode
 from .collectives import broadcast_coalesced, flat_chunks
+from .compat import buffers_to_sync
 from .reducer import Step
 
 
@@ -60,18 +61,6 @@ def broadcast_from_last_trainer(tensors: list, group, device, training: bool) ->
             torch._foreach_copy_(chunk, [piece.view_as(t) for piece, t in zip(pieces, chunk)])
 
 
-def vote_to_sync(ddp) -> None:
-    """A training rank's vote (async): does it sync gradients this iteration? Joined ranks learn the result."""
-    vote = torch.full((1,), float(ddp.require_backward_grad_sync), device=ddp.join_device)
-    dist.all_reduce(vote, group=ddp.process_group, async_op=True)  # ranks meet here
-
-
-def learn_whether_to_sync(ddp) -> bool:
-    """A joined rank's side of vote_to_sync: it votes no and waits for the others' answer."""
-    vote = torch.zeros(1, device=ddp.join_device)
-    dist.all_reduce(vote, group=ddp.process_group)  # ranks meet here
-    return vote.item() != 0
-
 
 class CountedDivisor:
     """join(divide_by_initial_world_size=False): divide by the ranks still training (a buckets.Divisor).
@@ -91,6 +80,32 @@ class CountedDivisor:
     @functools.cached_property
     def reciprocal(self) -> torch.Tensor:
         return 1.0 / self.value.double()  # as DDP's reciprocal, in float64
+
+
+def notify_joined_ranks(ddp) -> CountedDivisor | None:
+    """Before a forward under join(): tell the joined ranks (ranks meet here); join()'s divisor, if it sets one.
+
+    Outside join() nothing happens and there is no divisor (None: the reducer divides by the world size).
+    """
+    count_work = Join.notify_join_context(ddp)  # None outside join()
+    if count_work is not None and not ddp.divide_by_initial_world_size:
+        return CountedDivisor(count_work)  # divide by the ranks still training
+    return None
+
+
+def vote_to_sync(ddp) -> None:
+    """Under join(), after the buffers: a training rank's vote (async), does it sync gradients this
+    iteration? Joined ranks learn the result (learn_whether_to_sync). Outside join(): nothing."""
+    if ddp._join_config.enable:
+        vote = torch.full((1,), float(ddp.require_backward_grad_sync), device=ddp.join_device)
+        dist.all_reduce(vote, group=ddp.process_group, async_op=True)  # ranks meet here
+
+
+def learn_whether_to_sync(ddp) -> bool:
+    """A joined rank's side of vote_to_sync: it votes no and waits for the others' answer."""
+    vote = torch.zeros(1, device=ddp.join_device)
+    dist.all_reduce(vote, group=ddp.process_group)  # ranks meet here
+    return vote.item() != 0
 
 
 def shadow_backward(reducer) -> None:
@@ -125,12 +140,15 @@ class DDPJoinHook(JoinHook):
         src = find_common_rank(ddp.process_group, ddp.join_device, is_last_joiner)
         states = [p for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
         if ddp.broadcast_buffers:
-            states += ddp.buffers_to_sync()
+            states += buffers_to_sync(ddp)
         broadcast_coalesced(states, ddp.process_group, src=src)  # ranks meet here: the final model
 
 
 class JoinableDDP(Joinable):
-    """minidp.DDP's side of the Join protocol (a base class of minidp.DDP): join() and what Join asks of it."""
+    """minidp.DDP's side of the Join protocol (a base class of minidp.DDP): join() and what Join asks of it.
+
+    The wrapper's forward calls the functions above (notify_joined_ranks, vote_to_sync), not these methods.
+    """
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
@@ -144,18 +162,6 @@ class JoinableDDP(Joinable):
         """
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
-
-    def join_notice(self) -> CountedDivisor | None:
-        """Before a forward under join(): tell the joined ranks (ranks meet here); the divisor, if join() sets one."""
-        count_work = Join.notify_join_context(self)  # None outside join()
-        if count_work is not None and not self.divide_by_initial_world_size:
-            return CountedDivisor(count_work)  # divide by the ranks still training
-        return None
-
-    def join_vote(self) -> None:
-        """Under join(), after the buffers: vote whether this iteration syncs (joined ranks learn it)."""
-        if self._join_config.enable:
-            vote_to_sync(self)  # ranks meet here
 
     def join_hook(self, **kwargs) -> DDPJoinHook:
         """Called by Join on entering the context: the one place the join settings are set."""

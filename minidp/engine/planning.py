@@ -1,4 +1,4 @@
-"""DDP's bucket layout rules: which parameters share one flat all-reduce buffer. No process group, no tensor.
+"""DDP's bucket layout rules: which parameters share one all-reduce buffer. No group, no tensor.
 
 The rules reproduce torch DDP's (`compute_bucket_assignment_by_size`), so that a bucket holds the
 same gradients at the same offsets as DDP's: bitwise equality at 3+ ranks needs it, since gloo's
@@ -8,7 +8,7 @@ ring sums an element in an order that depends on where it sits in the buffer.
     next limit of the list (staying on the last); a sparse gradient gets a bucket of its own;
   * at construction: registration order, buckets sorted by their smallest index, then reversed
     (the last-defined parameters' gradients arrive first);
-  * after the first iteration: the order in which gradients became ready; nothing sorted or reversed.
+  * after the first iteration: the order in which gradients became ready; not sorted or reversed.
 """
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ DEFAULT_FIRST_BUCKET_BYTES = 1 * MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_
 UNBOUNDED = sys.maxsize
 
 
-def bucket_limits(bucket_cap_mb: float | None, first_iteration: bool, needs_rebuild: bool) -> list[int]:
+def bucket_limits(bucket_cap_mb: float | None, first_iteration: bool,
+                  needs_rebuild: bool) -> list[int]:
     """The list of byte limits DDP walks for one plan.
 
     Args:
-        bucket_cap_mb: the user's cap in MiB; None: DDP's default (25 MiB, with a 1 MiB first bucket).
+        bucket_cap_mb: the user's cap in MiB; None: DDP's default (25 MiB, the first bucket 1 MiB).
         first_iteration: True for the plan made at construction, False for the rebuilt one.
-        needs_rebuild: torch's `static_graph or not find_unused_parameters` (rebuilt in ready order).
+        needs_rebuild: torch's `static_graph or not find_unused_parameters`: rebuilt in ready order.
     """
     cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MIB)
     first_cap = DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
@@ -39,13 +40,14 @@ def bucket_limits(bucket_cap_mb: float | None, first_iteration: bool, needs_rebu
 
 
 def assign_buckets(sizes: Sequence[int], keys: Sequence[Hashable], limits: Sequence[int],
-                   order: Sequence[int] | None = None, sparse: Sequence[bool] = ()) -> list[list[int]]:
+                   order: Sequence[int] | None = None,
+                   sparse: Sequence[bool] = ()) -> list[list[int]]:
     """Cut tensors into buckets by byte size; DDP's compute_bucket_assignment_by_size.
 
     Args:
-        sizes: byte size of each tensor (numel * element_size). keys: a group key per tensor, e.g.
-            (dtype, device); groups never share a bucket. limits: byte limits, used in turn per group.
-        order: tensor indices in walking order. Default: 0, 1, 2, ... and the buckets sorted, as DDP's.
+        sizes: byte size of each tensor (numel * element_size). keys: a group key per tensor,
+            e.g. (dtype, device); groups never share a bucket. limits: byte limits, per group.
+        order: tensor indices in walking order. Default: 0, 1, 2, ..., the buckets sorted (DDP's).
         sparse: by tensor, whether its gradient is sparse (a bucket of its own). Default: none is.
     Returns:
         A list of buckets, each a list of tensor indices in the order walked.
@@ -85,5 +87,6 @@ def plan_rebuilt(sizes: Sequence[int], keys: Sequence[Hashable], limits: Sequenc
                  ready_order: Sequence[int], sparse: Sequence[bool] = ()) -> list[list[int]]:
     """The plan after the first iteration: the order in which gradients became ready."""
     if sorted(ready_order) != list(range(len(sizes))):
-        raise ValueError(f"ready_order={list(ready_order)} must be a permutation of 0..{len(sizes) - 1}")
+        raise ValueError(f"ready_order={list(ready_order)} must be a permutation of "
+                         f"0..{len(sizes) - 1}")
     return assign_buckets(sizes, keys, limits, order=ready_order, sparse=sparse)

@@ -9,7 +9,7 @@ The core (reducer.py) asks its policy, and never tests a mode itself:
   * `after_step(step, used)`: the step succeeded on every rank; which parameters did no rank use
     (their `.grad` is left alone), and in which order did gradients become ready (for the rebuild)?
 
-Three policies, as torch DDP's three modes:
+Three policies, as torch DDP's three modes (modes.choose picks one from the wrapper's keywords):
   EveryParameter   find_unused_parameters=False (default): each parameter, once per backward
   FindUnused       find_unused_parameters=True: missing parameters are reduced as zeros
   StaticGraph      static_graph=True (static_graph.py): counts learned in the first step
@@ -65,10 +65,3 @@ class FindUnused(EveryParameter):
     def after_step(self, step, used) -> tuple[set, list | None]:
         return {i for i, count in enumerate(used) if count == 0}, step.order
 
-
-def policy_for(find_unused_parameters: bool, static_graph: bool, names: list[str]):
-    """The policy of the wrapper's mode (static_graph wins, as in torch DDP)."""
-    if static_graph:
-        from .static_graph import StaticGraph
-        return StaticGraph(names)
-    return FindUnused(names) if find_unused_parameters else EveryParameter(names)

@@ -1,11 +1,11 @@
 """The gradient reducer: one hook per parameter, buckets launched in order as they fill, a finalize.
 
-One synced step: `prepare_for_backward` arms a fresh `Step` (the step's whole state); each gradient's
-hook copies it into its bucket, and a bucket that is complete *and next in order* is launched as an
-async all-reduce (launching strictly in bucket order keeps every rank issuing the same collectives in
-the same order); when backward ends, `finalize` waits, checks that every rank succeeded and writes
-the averages back. A mode changes only the readiness policy (readiness.py); at world size 1 on the
-default path there are no buckets (the average over one rank is the gradient itself).
+One synced step: `prepare_for_backward` arms a fresh `Step` (the step's whole state); each
+gradient's hook copies it into its bucket, and a bucket that is complete *and next in order* is
+launched as an async all-reduce (launching strictly in bucket order keeps every rank issuing the
+same collectives in the same order); when backward ends, `finalize` waits, checks that every rank
+succeeded and writes the averages back. A mode changes only the readiness policy (readiness.py); at
+world size 1 on the default path there are no buckets (the average over one rank is the gradient).
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from .buckets import Divisor
 from .hook_checks import bucket_result, call_comm_hook
 from .hooks import GradBucket, allreduce_sum_hook
 from .layout import BucketLayout
-from .readiness import policy_for
 from .sparse import mismatch_message
 from .timeline import OFF
 
@@ -30,51 +29,56 @@ class Step:
     """One synced step's state: made when the step is armed, dropped when it ends."""
 
     def __init__(self, buckets: list, n_params: int, divisor: Divisor | None):
-        self.divisor = divisor  # what gradients are divided by while copied in (None: a comm hook averages)
-        self.pending = [len(b.param_indices) for b in buckets]  # gradients still to come, by bucket
-        self.waiting = [[] for _ in buckets]  # by bucket: (slot, grad) of small gradients, copied at launch
+        self.divisor = divisor  # what gradients are divided by as copied in (None: a comm hook's)
+        self.pending = [len(b.param_indices) for b in buckets]  # by bucket: gradients to come
+        self.waiting = [[] for _ in buckets]  # by bucket: (slot, grad), small, copied at launch
         self.futures = []                     # by launched bucket, in order
         self.ready = [False] * n_params       # by parameter: its gradient is in its bucket
         self.order = []                       # parameters in the order they became ready
-        self.started = False                  # a hook fired: finalize is queued, collectives may be in flight
+        self.started = False  # a hook fired: finalize is queued, collectives may be in flight
 
 
 class Reducer:
     """Averages gradients over `process_group` during backward, bucket by bucket.
 
     Args:
-        params, names, sparse: the parameters to reduce, their names, whether each gradient is sparse.
-        The rest: the wrapper's keywords (process_group None is the world; transport None: the group).
+        params, names: the parameters to reduce, and their names.
+        mode: modes.choose's Mode (the readiness policy; the rest is the layout's).
+        process_group (None: the world), debug, transport (None: the group): the wrapper's keywords.
     """
 
-    def __init__(self, params, names, sparse, *, process_group, bucket_cap_mb, find_unused_parameters,
-                 gradient_as_bucket_view, static_graph, debug, transport):
-        self.params, self.names, self.process_group = list(params), list(names), process_group
-        self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-        self.device, self.transport, self.debug = self.params[0].device, transport, debug
-        self.readiness = policy_for(find_unused_parameters, static_graph, self.names)
+    def __init__(self, params, names, mode, *, process_group, debug, transport):
+        self.params = list(params)
+        self.names = list(names)
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.device = self.params[0].device
+        self.transport = transport
+        self.debug = debug
+        self.readiness = mode.readiness
         self.world_divisor = Divisor(self.world_size)
-        self.comm_hook, self.comm_state = None, None  # None: the default path (allreduce_sum_hook)
+        self.comm_hook = None   # None: the default path (allreduce_sum_hook)
+        self.comm_state = None  # what the comm hook gets as its `state`
         self.recorder = OFF  # timeline.py: a ReducerRecorder while model.enable_timeline() records
-        self.iteration, self.completed = 0, 0  # synced steps armed / completed on every rank
-        self.step = None       # the armed step, fed by the hooks (None: no_sync, eval, between steps)
-        self.open_step = None  # a step whose hooks fired and whose end has not run (recovery.py closes it)
-        self.status_group = None  # where the status is exchanged; None: process_group (status_on_host)
-        self.layout = BucketLayout(self.params, self.names, sparse, bucket_cap_mb=bucket_cap_mb,
-                                   needs_rebuild=static_graph or not find_unused_parameters,
-                                   process_group=process_group, as_view=gradient_as_bucket_view,
-                                   allocate=self.world_size > 1 or transport is not None)  # world size 1: none
+        self.iteration = 0   # synced steps armed
+        self.completed = 0   # synced steps completed on every rank
+        self.step = None  # the armed step, fed by the hooks (None: no_sync, eval, between steps)
+        self.open_step = None  # a step whose hooks fired, whose end has not run (recovery.py)
+        self.status_group = None  # where the status goes; None: process_group (status_on_host)
+        self.layout = BucketLayout(self.params, self.names, mode, process_group=process_group,
+                                   allocate=self.world_size > 1 or transport is not None)
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self.grad_ready, i))
 
     def prepare_for_backward(self, divisor: Divisor | None = None) -> None:
-        """Arm the hooks for the next backward (after a forward that syncs); `divisor` None: the world size."""
+        """Arm the hooks for the backward after a syncing forward; divisor None: the world size."""
         self.iteration += 1
         divisor = None if self.comm_hook is not None else divisor or self.world_divisor
         self.step = Step(self.layout.buckets, len(self.params), divisor)
 
     def grad_ready(self, index: int, param: torch.Tensor) -> None:
-        """Parameter `index`'s post-accumulate-grad hook: the hot path, once per gradient per step."""
+        """Parameter `index`'s post-accumulate-grad hook: the hot path, once a gradient a step."""
         step = self.step
         if step is None:
             return  # no_sync(), or a backward without a syncing forward: autograd just accumulates
@@ -87,18 +91,20 @@ class Reducer:
         """The first hook of a synced backward: queue finalize."""
         # Runs at the end of this backward, and only if it succeeds (the engine drops it otherwise).
         Variable._execution_engine.queue_callback(self.finalize)
-        step.started, self.open_step = True, step
+        step.started = True
+        self.open_step = step
         debug_mode.check_step(self, debug_mode.BACKWARD)  # ranks meet here in debug mode only
         self.readiness.at_first_hook(self, step)
 
     def mark_ready(self, step: Step, index: int, param: torch.Tensor) -> None:
-        """Parameter `index`'s gradient is final for this step: into its bucket; launch what is complete."""
+        """Parameter `index`'s gradient is final this step: into its bucket; launch what is full."""
         step.ready[index] = True
         step.order.append(index)
         self.recorder.grad_ready(index)
-        bucket, slot = self.layout.bucket_of[index], self.layout.slot_of[index]
+        bucket = self.layout.bucket_of[index]
         if bucket is None:
             return  # world size 1: the average of one gradient is itself, where autograd put it
+        slot = self.layout.slot_of[index]
         grad = param.grad
         if grad.is_sparse != bucket.sparse:
             raise RuntimeError(mismatch_message(self.names[index], grad.is_sparse))
@@ -136,21 +142,22 @@ class Reducer:
             self.recorder.watch(bucket.index, step.futures[-1])
 
     def reduce(self, bucket, buffer: torch.Tensor) -> torch.futures.Future:
-        """Start reducing `buffer` as `bucket`: through the comm hook, the transport, or the default all-reduce."""
-        grad_bucket = GradBucket(bucket.index, buffer, [self.params[i] for i in bucket.param_indices],
-                                 bucket.offsets, is_last=bucket.index == len(self.layout.buckets) - 1)
-        if self.comm_hook is not None:
-            return call_comm_hook(self.comm_hook, self.comm_state, grad_bucket)  # ranks meet here (async)
-        if self.transport is not None:
-            return self.transport.all_reduce(buffer)  # ranks meet here (async), on the transport's wires
+        """Start reducing `buffer` as `bucket`: by the comm hook, the transport, or the default."""
+        params = [self.params[i] for i in bucket.param_indices]
+        is_last = bucket.index == len(self.layout.buckets) - 1
+        grad_bucket = GradBucket(bucket.index, buffer, params, bucket.offsets, is_last=is_last)
+        if self.comm_hook is not None:  # ranks meet here (async)
+            return call_comm_hook(self.comm_hook, self.comm_state, grad_bucket)
+        if self.transport is not None:  # ranks meet here (async), on the transport's wires
+            return self.transport.all_reduce(buffer)
         return allreduce_sum_hook(self.process_group, grad_bucket)  # ranks meet here (async)
 
     def finalize(self) -> None:
-        """End of backward: reduce what is left, wait, agree that every rank succeeded, write back."""
+        """End of backward: reduce what is left, wait, check every rank succeeded, write back."""
         step = self.step
         self.step = None
         self.recorder.event("backward_end")
-        for index in self.readiness.missing_at_end(self, step):  # raises where the mode forbids it
+        for index in self.readiness.missing_at_end(self, step):  # raises where the mode forbids
             self.reduce_as_zeros(step, index)
         self.launch_ready_buckets(step, at_end=True)
         results, failed_ranks, used = self.end_step(step, failed=False)
@@ -179,9 +186,10 @@ class Reducer:
         """
         futures = zip(self.layout.buckets, step.futures, strict=True)
         results = [self._wait(bucket, future) for bucket, future in futures]
-        failed_ranks, used = [], None
-        if recovery.status_needed(self, results):
-            failed_ranks, used = recovery.exchange_status(self, step, failed)  # ranks meet here
+        failed_ranks = []
+        used = None
+        if recovery.status_needed(self, results):  # ranks meet there
+            failed_ranks, used = recovery.exchange_status(self, step, failed)
         self.open_step = None
         self.completed += not failed_ranks  # the same count on every rank
         return results, failed_ranks, used
@@ -193,6 +201,5 @@ class Reducer:
         except RuntimeError as exc:
             raise RuntimeError(recovery.wait_failed_message(self, bucket, exc)) from exc
         if self.comm_hook is None or bucket.sparse:
-            return value[0] if isinstance(value, list) else value  # a collective's future holds [tensor]
+            return value[0] if isinstance(value, list) else value  # a collective's: [tensor]
         return bucket_result(value, bucket.buffer, self.comm_hook)
-
