@@ -93,6 +93,17 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _resumed_like(reference, ranks, directions):
+    """The runs resumed from a checkpoint, by direction (ranks[direction, 3]): each ran under the engine its
+    direction names and ended with the uninterrupted run's weights, bitwise."""
+    resumed = {}
+    for direction, wrapper in directions:
+        run = resumed[direction] = ranks[direction, 3]
+        assert run["wrapper"] == f"{wrapper}.DistributedDataParallel", direction
+        assert _equal(run["weights"], reference["weights"]), direction
+    return resumed
+
+
 def test_lightning_minidp_equals_ddp_bitwise(runs):
     """Trainer(strategy="minidp") ends with torch DDP's weights, with and without accumulate_grad_batches."""
     for ranks in runs["lightning"]:
@@ -137,13 +148,11 @@ def test_lightning_checkpoints_resume_across_strategies(runs):
     """An epoch-0 checkpoint of "ddp" resumes under "minidp" and back, to the uninterrupted run's weights."""
     for ranks in runs["lightning"]:
         reference = ranks["ddp", 3]
-        for direction, wrapper in (("ddp->minidp", "minidp"), ("minidp->ddp", "torch")):
-            resumed = ranks[direction, 3]
-            assert resumed["wrapper"] == f"{wrapper}.DistributedDataParallel"
-            assert resumed["steps"] == reference["steps"]
-            assert _equal(resumed["weights"], reference["weights"]), direction
-            assert resumed["ckpt_keys"] == sorted(reference["weights"])  # the LightningModule's keys, no "module."
-        assert ranks["ddp->minidp", 3]["synced"] == reference["steps"] // 2  # the resumed epoch's steps only
+        resumed = _resumed_like(reference, ranks, (("ddp->minidp", "minidp"), ("minidp->ddp", "torch")))
+        for run in resumed.values():
+            assert run["steps"] == reference["steps"]
+            assert run["ckpt_keys"] == sorted(reference["weights"])  # the LightningModule's keys, no "module."
+        assert resumed["ddp->minidp"]["synced"] == reference["steps"] // 2  # the resumed epoch's steps only
 
 
 def test_accelerate_minidp_equals_torch_ddp_bitwise(runs):
@@ -169,11 +178,8 @@ def test_accelerate_state_resumes_across_accelerators(runs):
     """save_state() under one Accelerator, load_state() under the other: the uninterrupted run's weights."""
     for ranks in runs["accelerate"]:
         reference = ranks["torch", 3]
-        for direction, wrapper in (("torch->minidp", "minidp"), ("minidp->torch", "torch")):
-            resumed = ranks[direction, 3]
-            assert resumed["wrapper"] == f"{wrapper}.DistributedDataParallel"
-            assert _equal(resumed["weights"], reference["weights"]), direction
-            assert torch.equal(resumed["losses"], reference["losses"])
+        for run in _resumed_like(reference, ranks, (("torch->minidp", "minidp"), ("minidp->torch", "torch"))).values():
+            assert torch.equal(run["losses"], reference["losses"])
 
 
 def test_accelerate_no_sync_and_trigger_sync(runs):
