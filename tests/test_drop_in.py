@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import minidp
 from harness import done, error_of, run_ranks
 from models import build
-from training import bitwise_equal, snapshot
+from training import bitwise_equal, mean_square, snapshot, train
 
 # ---- the comm-hook contract ---------------------------------------------------------------------
 
@@ -270,12 +270,9 @@ def _helpers(model):
 
 def _sgd_steps(model, steps: int, seed: int, shape: tuple) -> torch.Generator:
     """`steps` SGD steps on this rank's own random batches; returns their generator, to draw more."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(seed + dist.get_rank())
-    for _ in range(steps):
-        model(torch.randn(*shape, generator=gen)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+    batches = [torch.randn(*shape, generator=gen) for _ in range(steps)]
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, mean_square)
     return gen
 
 
