@@ -32,8 +32,12 @@ def group_of_mesh(device_mesh, process_group):
     return device_mesh.get_group(mesh_dim=0)
 
 
-def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupported: dict) -> None:
-    """The constructor's checks that need no process group (they raise before any collective)."""
+def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupported: dict, constructor) -> None:
+    """The constructor's checks that need no process group (they raise before any collective).
+
+    Args:
+        constructor: the wrapper's __init__, whose keywords an unknown one is matched against (did you mean?).
+    """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module={type(module).__name__} must be a torch.nn.Module")
     if any(is_lazy(p) for p in module.parameters()):  # nn.LazyLinear & co. before their first forward
@@ -51,25 +55,24 @@ def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupport
         if not math.isfinite(bucket_cap_mb):
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be finite (a number of MiB)")
     for name, value in unsupported.items():
-        check_keyword(name)
+        check_keyword(name, constructor)
         if value not in (None, False):
             raise ValueError(f"minidp.DDP does not support {name}={value!r}")
 
 
-def check_keyword(name: str) -> None:
+def check_keyword(name: str, constructor) -> None:
     """A keyword minidp.DDP lacks: TypeError unless torch DDP has it (a misspelt keyword fails as in torch).
 
     torch DDP's own keywords that minidp lacks (mixed_precision, bucket_cap_mb_list, ...) pass here: the
     caller refuses them by name unless left at their defaults, so a script that spells out torch's
-    defaults still runs.
+    defaults still runs. The hint names the closest keyword of `constructor` (the wrapper's __init__,
+    passed in: this module does not import ddp.py, which imports it).
     """
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     if name in inspect.signature(TorchDDP.__init__).parameters:
         return
-    from .ddp import DistributedDataParallel  # here: ddp.py imports this module
-
-    accepted = [k for k in inspect.signature(DistributedDataParallel.__init__).parameters if k != "self"]
+    accepted = [k for k in inspect.signature(constructor).parameters if k != "self"]
     close = difflib.get_close_matches(name, accepted, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise TypeError(f"DistributedDataParallel.__init__() got an unexpected keyword argument {name!r}{hint}")
