@@ -9,7 +9,7 @@ warm-up over the first epoch, then cosine decay. Then it prints:
   * the largest absolute difference between the two runs' final weights and BatchNorm statistics
     (0.0 means bitwise equal);
   * the median step time of each run and their ratio minidp / DDP.
-Takes about a minute on two cores. Extra arguments go to both runs, e.g. `--epochs 5`.
+About half a minute on two cores (25 s on 2026-12-03). Extra arguments go to both runs, e.g. `--epochs 5`.
 """
 from __future__ import annotations
 

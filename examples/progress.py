@@ -28,14 +28,16 @@ def rate_and_eta(done: int, total: int, elapsed_s: float) -> str:
 class Progress:
     """Rank 0's progress through `total` steps: a tqdm bar on a terminal, else a line every `every` steps.
 
-    A log file gets plain lines (a bar's carriage returns garble it): the first step, then every `every`
-    steps, each with the rate and the time left. The other ranks show nothing.
+    A log file gets plain lines instead (a bar's carriage returns garble it), each with the rate and the
+    time left: every `every` steps, but at most one per `interval_s`, so a fast loop (the demo's epochs
+    take seconds) does not flood it. The other ranks show nothing.
 
     Args:
         total: the steps to come.
         desc: what is counted, e.g. "epoch 1/3".
         every: steps between two plain lines (default: a tenth of total).
         show: whether this process shows it (default: only rank 0, minidp.is_main()).
+        interval_s: the least time between two plain lines (default 10 s).
 
     Example:
         progress = Progress(len(loader), f"epoch {epoch + 1}/{epochs}")
@@ -45,11 +47,12 @@ class Progress:
         progress.close()
     """
 
-    def __init__(self, total: int, desc: str, every: int | None = None, show: bool | None = None):
+    def __init__(self, total: int, desc: str, every: int | None = None, show: bool | None = None,
+                 interval_s: float = 10.0):
         self.total, self.desc, self.done, self.postfix = total, desc, 0, {}
-        self.every = every or max(1, total // 10)
+        self.every, self.interval_s = every or max(1, total // 10), interval_s
         self.show = minidp.is_main() if show is None else show
-        self.start = time.perf_counter()
+        self.start = self.printed = time.perf_counter()
         self.bar = None
         if self.show and sys.stdout.isatty():
             self.bar = tqdm(total=total, desc=desc, leave=False, file=sys.stdout, dynamic_ncols=True)
@@ -61,8 +64,9 @@ class Progress:
         if self.bar is not None:
             self.bar.set_postfix(self.postfix, refresh=False)
             self.bar.update()
-        elif self.show and (self.done == 1 or self.done % self.every == 0):
+        elif self.show and self.done % self.every == 0 and time.perf_counter() - self.printed >= self.interval_s:
             print(self.line(), flush=True)
+            self.printed = time.perf_counter()
 
     def line(self) -> str:
         """E.g. "epoch 1/3: step 10/46, 0.24 steps/s, ETA 2.5 min, loss 1.234"."""

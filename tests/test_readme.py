@@ -27,7 +27,10 @@ What changes before a README line runs, and nothing else:
     records what the loop saw; fragments get stand-ins for the names they use before them, and checks
     of what their comments claim after them (the minidp.comm fragment runs at world size 1; the
     TernGrad compressor must be examples/custom_hook.py's, verbatim, and is checked on a tensor:
-    unbiased, and as many bytes as it declares); the mp.spawn snippet runs as a file, unchanged. The
+    unbiased, and as many bytes as it declares; the restart loop runs, then runs again and resumes);
+    the mp.spawn snippet runs as a file, unchanged. A snippet that does not run as pasted says so on its
+    first line (`# fragment ...`, naming the whole script, which must exist) and must compile; every
+    code block carries a language (but the Layout section's map); every path the READMEs name exists. The
     one-process snippets (all but mp.spawn's) run as files in a single process, one after
     another (tests/scripts/run_files.py: each as __main__ through runpy, as `python file.py` would);
   * `make test` and `make demo` are not run (SKIPPED_MAKE says why); `make -n` checks each target.
@@ -64,7 +67,7 @@ import common  # noqa: E402 - examples/common.py: the synthetic image folders
 README = os.path.join(ROOT, "README.md")
 EXAMPLES_README = os.path.join(ROOT, "examples", "README.md")  # holds the DALI loader snippet
 TIMEOUT_S = 240
-EXPECTED = {"bash": 14, "python": 4, "diff": 2}  # what README.md holds; a change must update this file
+EXPECTED = {"bash": 14, "python": 5, "diff": 2}  # what README.md holds; a change must update this file
 EXPECTED_EXAMPLES = {"python": 1}  # what examples/README.md holds
 SKIPPED_MAKE = {  # target: (why it is not run, what `make -n` must show)
     "test": ("`make test` runs the whole suite, this file included: it would recurse", "-m pytest"),
@@ -465,6 +468,28 @@ _mean = sum(_c.decompress(_c.compress(_g, _ctx), _ctx) for _ in range(2000)) / 2
 assert (_mean - _g).abs().max() < 0.25, (_mean - _g).abs().max()  # unbiased: the mean of many draws
 print("TernGrad fragment: unbiased, 1004 bytes for 1000 elements")
 '''
+RESTART_BEFORE = '''\
+import os  # test_readme: stand-ins for the names the fragment uses (one rank: gloo, world size 1)
+import tempfile
+import torch
+import minidp
+minidp.init()
+torch.manual_seed(0)
+path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+model = minidp.DDP(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+steps = 3
+'''
+RESTART_DOTS = ["opt.zero_grad()\nmodel(torch.ones(2, 4)).sum().backward()\nopt.step()"]
+RESTART_AGAIN = '''\
+assert start == 0 and step == 2, (start, step)  # test_readme: the first run; now as restarted, 5 steps in all
+steps = 5
+'''
+RESTART_AFTER = '''\
+assert start == 3 and step == 4 and minidp.load_checkpoint(path, model, opt)["step"] == 5, (start, step)
+minidp.shutdown()
+print("restart fragment: the second run resumed at step 3 of 5")
+'''
 
 
 def replace_dots(snippet: str, replacements: List[str]) -> str:
@@ -512,10 +537,19 @@ def python_items(blocks: List[Block], where: str = "") -> List[Item]:
                 return ws.write("terngrad.py", TERNGRAD_BEFORE + text + TERNGRAD_AFTER)
 
             def check(output, text=text):
-                assert text in open(os.path.join(ROOT, "examples", "custom_hook.py")).read(), \
+                code = text.split("\n", 1)[1]  # after the fragment's label
+                assert code in open(os.path.join(ROOT, "examples", "custom_hook.py")).read(), \
                     "the README's TernGrad is not examples/custom_hook.py's, verbatim"
                 assert "TernGrad fragment: unbiased, 1004 bytes for 1000 elements" in output, output
             items.append(Item(key + " (custom compressor)", None, check, file=write))
+        elif "minidp.save_checkpoint(path, model, opt, step=step + 1)" in text:
+            def write(ws, text=text):  # the loop twice: a first run, then a restarted one that resumes
+                source = replace_dots(text, RESTART_DOTS)
+                return ws.write("restart_snippet.py", RESTART_BEFORE + source + RESTART_AGAIN + source + RESTART_AFTER)
+
+            def check(output):
+                assert "restart fragment: the second run resumed at step 3 of 5" in output, output
+            items.append(Item(key + " (restart fragment)", None, check, file=write))
         elif "image_folder_loader(" in text and HAVE_DALI:
             def write(ws, text=text):
                 source = replace_dots(text.replace('"imagenet/train"', repr(str(ws.imagenet / "train"))), DALI_DOTS)
@@ -616,6 +650,44 @@ def test_readme_item_runs(item):
     item.check(output)
     if item.skip:
         pytest.skip(item.skip)
+
+
+FRAGMENT = re.compile(r"# fragment\b.*?\b((?:examples|tests|benchmarks|minidp)/[\w/]+\.py)\b")
+
+
+@pytest.mark.parametrize("path", [README, EXAMPLES_README], ids=["README.md", "examples/README.md"])
+def test_every_python_snippet_runs_as_pasted_or_says_it_is_a_fragment(path):
+    """A snippet runs as pasted (the mp.spawn one), or its first line says it is a fragment and names the whole
+    script, which exists; either way it compiles as pasted (an indented snippet would not)."""
+    for block in (b for b in read_blocks(path) if b.lang == "python"):
+        compile(block.text, f"{path} line {block.line}", "exec")  # SyntaxError / IndentationError name the line
+        if "minidp.launch(" in block.text:
+            continue
+        label = FRAGMENT.match(block.text)
+        assert label, f"{path} line {block.line}: not runnable as pasted; its first line must say '# fragment ...'"
+        assert os.path.exists(os.path.join(ROOT, label.group(1))), f"line {block.line}: no {label.group(1)}"
+
+
+def test_every_code_block_says_its_language():
+    """Untagged blocks are where a snippet hid from these tests; only the Layout section's map has none."""
+    layout = open(README).read().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    for path in (README, EXAMPLES_README):
+        for block in read_blocks(path):
+            assert block.lang or (path == README and block.text in layout), f"{path} line {block.line}: ```?"
+
+
+PATH = re.compile(r"(?<![\w/.-])((?:examples|tests|benchmarks|minidp)/[\w/.-]*\w)")
+
+
+def test_every_path_the_readmes_name_exists():
+    """A moved script leaves no stale command or link behind (the Layout section is test_layout.py's)."""
+    for path in (README, EXAMPLES_README):
+        text = open(path).read()
+        if path == README:
+            text = text.split("## Layout", 1)[0] + text.split("## Layout", 1)[1].partition("\n## ")[2]
+        text = text.replace("../", "")  # examples/README.md links up to the root
+        for name in sorted(set(PATH.findall(text))):
+            assert os.path.exists(os.path.join(ROOT, name.split("#")[0])), f"{path} names {name}, which does not exist"
 
 
 def test_the_diffs_turn_the_torch_ddp_script_into_a_minidp_one():
