@@ -61,7 +61,7 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
                      gradient_as_bucket_view=gradient_as_bucket_view,
                      forward_sync_buffers=forward_sync_buffers, batched_grad_copy=batched_grad_copy)
         check_arguments(module, bucket_cap_mb, process_group, flags, unsupported,
-                        constructor=type(self).__init__)  # its keywords: a misspelt one's hint
+                        constructor=type(self).__init__)  # for a misspelt keyword's hint
         ignored = compat.ignored_names(module)  # neither broadcast nor averaged
         self.parameters_to_ignore = ignored
         all_named = [(n, p) for n, p in module.named_parameters() if n not in ignored]

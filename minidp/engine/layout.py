@@ -60,7 +60,7 @@ class BucketLayout:
         """Make `plan` (parameter indices by bucket, in launch order) the layout; fresh buffers."""
         self.plan = [list(indices) for indices in plan]
         self.buckets = []
-        if self.allocate:  # world size 1 on the default path: no buckets
+        if self.allocate:  # False at world size 1 on the default path: no buckets
             for b, ids in enumerate(self.plan):
                 self.buckets.append(self.new_bucket(b, ids, self.params, self.sparse[ids[0]]))
         self.bucket_of = [None] * len(self.params)  # None: reduced locally
