@@ -10,6 +10,7 @@ First read, the default step:
   planning.py     DDP's bucket layout rules
   hooks.py        GradBucket and the default all-reduce hook (DDP's comm-hook contract)
 Second read, one file per mode or feature, each saying what it changes in the core:
+  modes.py        reads the mode keywords once: the readiness policy, bucket kind and cap the core gets
   readiness.py    the readiness policies: default and find_unused_parameters
   static_graph.py static_graph=True as a readiness policy: hook counts learned in the first iteration
   recovery.py     a backward that raised on one rank: the step closed on every rank, the status exchange
