@@ -14,9 +14,11 @@ import json
 import os
 import re
 import sys
+import threading
 
 import pytest
 import torch
+import tqdm
 from torch.utils.data import DataLoader
 
 import minidp
@@ -176,6 +178,9 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(monkeypatch):
 
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stdout", terminal)
+    # No tqdm monitor thread: a thread left in this process would make the harness spawn later tests' ranks
+    # instead of forking them (seconds each).
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)
     bar = common.Progress(5, "TernGrad training", show=True)
     for _ in range(5):
         bar.step()
@@ -186,3 +191,4 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(monkeypatch):
     quiet.step()
     quiet.close()
     assert "rank 1" not in terminal.getvalue()  # the other ranks show nothing
+    assert "tqdm_monitor" not in [t.name for t in threading.enumerate()]
