@@ -170,7 +170,8 @@ def test_overlap_first_bucket_launched_before_last_gradient(two_ranks):
     ("device_ids_on_cpu", "ValueError", ["device_ids=[0]"]),
     ("not_a_module", "TypeError", ["module=function"]),
     ("lazy_module", "RuntimeError", ["uninitialized parameters", "dummy forward pass"]),  # torch DDP's words
-    ("torch_syncbn_on_cpu", "ValueError", ["SyncBatchNorm layers only work with GPU modules", "minidp.convert_sync_batchnorm"]),
+    ("torch_syncbn_on_cpu", "ValueError", ["SyncBatchNorm layers only work with GPU modules",
+                                           "minidp.convert_sync_batchnorm"]),
     ("torch_syncbn_on_cpu_torch", "ValueError", ["SyncBatchNorm layers only work with GPU modules"]),  # the same
     ("unsupported_kwarg", "ValueError", ["mixed_precision='bf16'"]),
 ])

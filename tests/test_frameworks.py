@@ -113,7 +113,7 @@ def test_lightning_minidp_equals_ddp_bitwise(runs):
             ddp, mini = ranks["ddp", accumulate], ranks["minidp", accumulate]
             assert ddp["wrapper"] == "torch.DistributedDataParallel"
             assert mini["wrapper"] == "minidp.DistributedDataParallel"
-            assert mini["strategy"] == "minidp.lightning.DDPStrategy"
+            assert mini["strategy"] == "minidp.integrations.lightning.DDPStrategy"  # public: minidp.lightning
             assert mini["lightning_module_is_model"] and ddp["lightning_module_is_model"]
             assert mini["steps"] == ddp["steps"]
             assert _equal(mini["weights"], ddp["weights"]), f"accumulate_grad_batches={accumulate}"

@@ -25,9 +25,9 @@ report["launch_module"] = minidp.launch.__module__
 report["ddp_name"] = minidp.DDP.__name__  # loads torch and the engine now
 engine_hooks = sys.modules["minidp.engine.hooks"]
 # minidp.hooks is a module of its own (no sys.modules swap) that gives the engine's names, not copies
-report["hooks_names_are_the_engines"] = (minidp.hooks is not engine_hooks and minidp.hooks.__all__ == engine_hooks.__all__
-                                         and all(getattr(minidp.hooks, n) is getattr(engine_hooks, n)
-                                                 for n in engine_hooks.__all__))
+report["hooks_names_are_the_engines"] = (
+    minidp.hooks is not engine_hooks and minidp.hooks.__all__ == engine_hooks.__all__
+    and all(getattr(minidp.hooks, n) is getattr(engine_hooks, n) for n in engine_hooks.__all__))
 
 import minidp.data  # noqa: E402
 import minidp.data.sampler  # noqa: E402, F401
