@@ -86,8 +86,8 @@ def _table_rows(stdout: str) -> list[dict]:
 
 
 def test_gpu_check_dry_run_on_cpu_runs_every_check_and_counts_collectives(tmp_path):
-    """The issue 22 criteria: a collectives column, every passing row communicated, 3+ rows at world size 2,
-    SyncBatchNorm beside a compression hook passes; one verdict line per check."""
+    """What makes the GPU check trustworthy: a collectives column, every passing row communicated, 3+ rows
+    at world size 2, SyncBatchNorm beside a compression hook passes; one verdict line per check."""
     results_md = tmp_path / "RESULTS.md"
     proc = _run("benchmarks/gpu/gpu_check.py", "--device", "cpu", "--quick", "--steps", "1", "--results-md",
                 str(results_md), timeout=300)
@@ -107,7 +107,7 @@ def test_gpu_check_dry_run_on_cpu_runs_every_check_and_counts_collectives(tmp_pa
 
 @pytest.mark.gpu
 def test_gpu_check_quick_on_cuda_passes():
-    """The script itself on the GPU (issue 22): every check, quick; CupyNccl may be skipped without CuPy."""
+    """The script itself on the GPU: every check, quick; CupyNccl may be skipped without CuPy."""
     proc = _run("benchmarks/gpu/gpu_check.py", "--quick", "--steps", "2", "--results-md", "", timeout=480)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = _table_rows(proc.stdout)

@@ -3,7 +3,7 @@
 Under torch.compile a model's backward is one autograd node unless the graph is cut; graph_split.py
 cuts it where buckets end, as torch DDP's DDPOptimizer does. The tests use the aot_eager backend
 (eager kernels, so compiles take a second, not a minute of C++ builds); the benchmark
-(benchmarks/compile_timeline.py) measures the same overlap with the default backend, inductor.
+(benchmarks/overlap/compile_timeline.py) measures the same overlap with the default backend, inductor.
 
 Overlap is proven by event order, not timing: with the graph cut, backward nodes of the model still
 start after bucket 0 was launched; with it whole (the control), every backward node starts before.

@@ -248,7 +248,8 @@ def test_bad_folders(tmp_path):
 def test_minidp_imports_without_dali():
     """Where DALI is not installed, minidp and minidp.data import, and the DALI loader says what to install."""
     assert fresh_interpreter_report()["dali_error"] == (
-        "minidp.data.dali needs NVIDIA DALI: pip install nvidia-dali-cuda120 (or pip install 'minidp[dali]')")
+        "minidp.data.dali needs NVIDIA DALI: pip install nvidia-dali-cuda120 "
+        "(or from the clone: pip install -e '.[dali]')")
 
 
 @pytest.mark.gpu

@@ -31,7 +31,7 @@ from processes import VENV_BIN, Command, clean_env  # noqa: E402
 # Looked up, not imported: importing Lightning here would cost this process seconds of CPU for nothing.
 for _framework in ("lightning", "accelerate"):
     if importlib.util.find_spec(_framework) is None:
-        pytest.skip(f"needs {_framework}: pip install 'minidp[{_framework}]' (make test installs it)",
+        pytest.skip(f"needs {_framework}: pip install -e '.[{_framework}]' (make test installs it)",
                     allow_module_level=True)
 
 TIMEOUT_S = 240
@@ -209,5 +209,6 @@ def test_missing_framework_names_the_extra(monkeypatch, module, extra, framework
     for name in [name for name in sys.modules if name == framework or name.startswith(framework + ".")] or [framework]:
         monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: importing it fails
     monkeypatch.delitem(sys.modules, module, raising=False)
-    with pytest.raises(ImportError, match=rf"pip install 'minidp\[{extra}\]'"):
+    monkeypatch.delitem(sys.modules, f"minidp.integrations.{extra}", raising=False)  # the public name's code
+    with pytest.raises(ImportError, match=rf"pip install -e '\.\[{extra}\]'"):
         importlib.import_module(module)

@@ -291,7 +291,7 @@ ACCELERATE_RUN = re.compile(r"^accelerate_minidp\.py: engine=(\w+), (\w+)\.Distr
 
 def check_framework(cmd: str) -> Callable[[str], None]:
     """The Lightning example: 2 processes on minidp's wrapper, the fingerprint printed once. The Accelerate
-    example under torchrun (issue 24's torchrun case): both engines, with and without accumulation, the same
+    example under torchrun (the README's torchrun case): both engines, with and without accumulation, the same
     weights and losses, unwrap_model() the user's module, and the script's own verdict."""
     def check(output: str) -> None:
         if "lightning_minidp.py" in cmd:

@@ -1,4 +1,4 @@
-"""Count the runs that abort at exit after a gloo collective, with and without minidp.shutdown() (issue 21).
+"""Count the runs that abort at exit after a gloo collective, with and without minidp.shutdown().
 
     python benchmarks/faults/exit_aborts.py --runs 40 --concurrent 4                      # plain python
     python benchmarks/faults/exit_aborts.py --torchrun --runs 40 --plain-runs 20 --concurrent 5

@@ -61,7 +61,7 @@ def _import_dali():
         from nvidia.dali.plugin import pytorch  # noqa: F401
     except ImportError as exc:
         raise ImportError("minidp.data.dali needs NVIDIA DALI: pip install nvidia-dali-cuda120 "
-                          "(or pip install 'minidp[dali]')") from exc
+                          "(or from the clone: pip install -e '.[dali]')") from exc
     return nvidia.dali, pytorch
 
 

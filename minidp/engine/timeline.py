@@ -28,7 +28,7 @@ Example:
     opt.step()
     timeline.record("step_end")
     timeline.to_chrome_trace("step.json")   # open in https://ui.perfetto.dev
-    # a PNG of the same lanes: benchmarks/plot_timeline.py (matplotlib stays out of the engine)
+    # a PNG of the same lanes: benchmarks/overlap/plot_timeline.py (matplotlib stays out of the engine)
 """
 from __future__ import annotations
 

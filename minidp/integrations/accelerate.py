@@ -32,7 +32,8 @@ try:
     import accelerate
     from accelerate.utils import DistributedType, is_compiled_module
 except ImportError as exc:  # the extra is optional: say which one to install
-    raise ImportError("minidp.accelerate needs Hugging Face Accelerate: pip install 'minidp[accelerate]' "
+    raise ImportError("minidp.accelerate needs Hugging Face Accelerate: pip install accelerate "
+                      "(from the clone: pip install -e '.[accelerate]') "
                       f"(importing accelerate failed: {exc})") from exc
 
 from ..engine.ddp import DistributedDataParallel

@@ -36,7 +36,8 @@ try:
     from lightning.pytorch.strategies import StrategyRegistry
     from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 except ImportError as exc:  # the extra is optional: say which one to install
-    raise ImportError("minidp.lightning needs PyTorch Lightning 2.x: pip install 'minidp[lightning]' "
+    raise ImportError("minidp.lightning needs PyTorch Lightning 2.x: pip install lightning "
+                      "(from the clone: pip install -e '.[lightning]') "
                       f"(importing lightning failed: {exc})") from exc
 
 from ..engine.ddp import DistributedDataParallel

@@ -7,6 +7,6 @@
 explain.py  runs a few real steps of a model on CPU ranks under minidp and torch DDP (record.py)
 simulate.py predicts a step from a recorded timeline and an alpha-beta network model (network.py)
 time_to_target.py  python -m minidp.simulate --study FILE: each communication method's time to a target
-            loss at 8 ... 1,024 ranks, from benchmarks/compression.py's measurements
+            loss at 8 ... 1,024 ranks, from benchmarks/compression/study.py's measurements
 plot.py     draws timelines and scaling curves (matplotlib, imported only when drawing)
 """

@@ -235,7 +235,8 @@ def parse_args(argv=None):
                    help="time gloo all-reduces on 2 local processes, fit the link, write it here")
     p.add_argument("--plot", help="PNG of step time, hidden share and efficiency against ranks")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
-    study = p.add_argument_group("time to target (time_to_target.py): --study FILE from benchmarks/compression.py")
+    study = p.add_argument_group("time to target (time_to_target.py): --study FILE from "
+                                 "benchmarks/compression/study.py")
     study.add_argument("--study", help="a compression study JSON: time to target per method at 8 ... 1,024 ranks")
     study.add_argument("--bandwidths", default="10,25,100,400", help="link Gb/s for --study (default 10,25,100,400)")
     study.add_argument("--compute-scale", type=float, default=1.0, help="--study: compute x this (default 1)")

@@ -1,6 +1,6 @@
 """Time to a target loss at N ranks, per communication method, from a measured compression study.
 
-    python benchmarks/compression.py                  # measures benchmarks/results/compression_study.json
+    python benchmarks/compression/study.py               # measures benchmarks/results/compression_study.json
     python -m minidp.simulate --study benchmarks/results/compression_study.json --plot pays_off.png
     python -m minidp.simulate --study ... --validate  # against the times to target measured on this machine
 
@@ -188,7 +188,8 @@ def load(path: str) -> dict:
         study = json.load(f)
     missing = [k for k in ("methods", "compute_s", "start_iter", "world_size") if k not in study]
     if missing:
-        raise ValueError(f"--study {path}: no {missing} (write it with benchmarks/compression.py --phases report)")
+        raise ValueError(f"--study {path}: no {missing} "
+                         "(write it with benchmarks/compression/study.py --phases report)")
     if "exact" not in study["methods"]:
         raise ValueError(f"--study {path}: no 'exact' method to compare with")
     return study
