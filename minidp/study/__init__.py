@@ -3,10 +3,12 @@
     python -m minidp.explain resnet18 --world-size 2      # buckets, hooks, timeline; checked against DDP
     python -m minidp.simulate --events resnet18_events.json  # one step at 2 ... 1,024 ranks
     python -m minidp.simulate --study benchmarks/results/compression_study.json   # time to target per method
+    python -m minidp.simulate --memory --params 7.5B --ranks 64   # bytes per rank and sent, DDP vs ZeRO-1/2/3
 
 explain.py  runs a few real steps of a model on CPU ranks under minidp and torch DDP (record.py)
 simulate.py predicts a step from a recorded timeline and an alpha-beta network model (network.py)
 time_to_target.py  python -m minidp.simulate --study FILE: each communication method's time to a target
             loss at 8 ... 1,024 ranks, from benchmarks/compression/study.py's measurements
+memory_model.py  the ZeRO paper's memory and communication per rank (memory_table.py: --memory's table)
 plot.py     draws timelines and scaling curves (matplotlib, imported only when drawing)
 """

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from ..engine.planning import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB, bucket_limits, plan_rebuilt
 from ..validate import check_int, check_number
+from .memory_table import add_memory_arguments, check_memory_args, main_memory
 from .network import Network, allreduce_time
 
 WORLD_SIZES = tuple(2 ** k for k in range(11))  # 1 ... 1,024
@@ -242,6 +243,7 @@ def parse_args(argv=None):
     study.add_argument("--compute-scale", type=float, default=1.0, help="--study: compute x this (default 1)")
     study.add_argument("--validate", action="store_true", help="--study: predicted vs measured time to target")
     study.add_argument("--methods", help="--study: compare only these methods with exact (comma-separated)")
+    add_memory_arguments(p)
     args = p.parse_args(argv)
     args.world_sizes_given = any(a.startswith("--world-sizes") for a in (argv if argv is not None else sys.argv))
     try:
@@ -250,13 +252,16 @@ def parse_args(argv=None):
                                                     for c in args.caps.split(",")]
     except ValueError as e:
         p.error(str(e))
-    if not (args.events or args.measure_network or args.study):
-        p.error("give --events FILE (from python -m minidp.explain), --study FILE, or --measure-network OUT_JSON")
+    if not (args.events or args.measure_network or args.study or args.memory):
+        p.error("give --events FILE (from python -m minidp.explain), --study FILE, --memory or --measure-network OUT")
+    check_memory_args(p, args)
     return p, args
 
 
 def main(argv=None) -> int:
     p, args = parse_args(argv)
+    if args.memory:
+        return main_memory(args, p)
     if args.measure_network:
         from .network import measure_network
 
