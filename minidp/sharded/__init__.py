@@ -1,5 +1,10 @@
 """Sharded data parallelism: each rank keeps a shard of the optimizer state, gradients or weights.
 
-Empty for now: the sharded optimizer (ZeroRedundancyOptimizer, ZeRO-1) and fully_shard (ZeRO-2/3)
-come here, beside the engine, sharing its collectives and planning; README.md says what goes where.
+ZeRO-1 is here (minidp.ZeroRedundancyOptimizer); fully_shard (ZeRO-2/3) comes next. Read in this
+order (README.md is the chapter: what ZeRO-1 is, and a map to torch's functions):
+  zero.py         ZeroRedundancyOptimizer: local optimizer over this rank's shard, step, broadcasts
+  partition.py    which rank steps which parameter (torch's sorted-greedy rule), pure functions
+  flat_params.py  parameters_as_bucket_view=True: a rank's shard as views into one flat buffer
+  state_dicts.py  consolidate (gather on one rank), merge to global numbering, load this rank's part
+  arguments.py    the constructor's checks, with torch's messages
 """

@@ -1,0 +1,124 @@
+"""Checkpoints of a sharded optimizer: gather the shards' states on one rank, merge, split again.
+
+Each rank's local optimizer numbers its parameters locally (0, 1, ... over its own shard). A
+checkpoint must not depend on the world size, so the consolidated state dict numbers them as a
+plain optimizer over all the parameters would: in parameter-group order. `merge` renumbers local to
+global; `local_state` picks out, on load, the entries of the parameters this rank steps. The format
+is torch.optim.Optimizer's and torch ZeroRedundancyOptimizer's, so checkpoints move between them.
+"""
+from __future__ import annotations
+
+import io
+from itertools import chain
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..engine.collectives import collective_device, global_rank
+
+
+def copy_to(value: Any, device: torch.device) -> Any:
+    """A copy of `value` with every tensor in it copied to `device` (lists, tuples, dicts walked).
+
+    Always a copy, even on the same device: a consolidated checkpoint must not change when the
+    optimizer steps on, nor a loaded state alias the caller's dict.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device, copy=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(copy_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: copy_to(v, device) for k, v in value.items()}
+    return value
+
+
+def _send_object(obj: Any, dst: int, group, device: torch.device) -> None:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(device)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    dist.send(size, dst=dst, group=group)  # ranks meet here: the receiver learns the length first
+    dist.send(payload, dst=dst, group=group)  # ranks meet here: the pickled state
+
+
+def _recv_object(src: int, group, device: torch.device) -> Any:
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(size, src=src, group=group)  # ranks meet here: the sender's length
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(payload, src=src, group=group)  # ranks meet here: the sender's pickled state
+    # weights_only=False: a local optimizer's state may hold any picklable value, and it comes from a
+    # rank of this same job, not from a file
+    return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location="cpu", weights_only=False)
+
+
+def gather_on(obj: Any, to: int, group, device: torch.device) -> list:
+    """Every rank's `obj` on group rank `to`, in group-rank order, on the CPU; [] on the other ranks.
+
+    Point to point: each other rank sends once, to `to` only (torch broadcasts each state to every
+    rank instead, which costs world_size times the traffic on gloo). Call on every rank of `group`.
+
+    Args:
+        obj: this rank's local state dict (anything torch.save can write).
+        to: the group rank that receives.
+        group: the process group.
+        device: where the bytes travel: the CPU under gloo, a CUDA device under NCCL
+            (collective_device picks it from the parameters' device).
+    """
+    device = collective_device(group, device)
+    rank = dist.get_rank(group)
+    if rank != to:
+        _send_object(obj, global_rank(group, to), group, device)
+        return []
+    # the receiver takes the senders in rank order; each sender sends once, so no one waits in a cycle
+    return [copy_to(obj, torch.device("cpu")) if r == rank else _recv_object(global_rank(group, r), group, device)
+            for r in range(dist.get_world_size(group))]
+
+
+def merge(base: dict, local_state_dicts: list[dict], partition: list[list[dict]],
+          param_groups: list[dict]) -> dict:
+    """The global state dict: `base` (Optimizer.state_dict() of the wrapper: the groups, numbered
+    globally) with every rank's local states renumbered into it, sorted by global index.
+
+    Args:
+        base: the wrapper's own state dict, whose "param_groups" hold global indices.
+        local_state_dicts: each rank's local optimizer state dict, in rank order.
+        partition: the partition the local states were made with (rank -> groups).
+        param_groups: the wrapper's groups (global numbering: group order, then parameter order).
+    """
+    index = {p: i for i, p in enumerate(chain.from_iterable(g["params"] for g in param_groups))}
+    for rank, local in enumerate(local_state_dicts):
+        shard_groups = partition[rank]
+        if len(local["param_groups"]) != len(shard_groups):
+            raise RuntimeError(f"rank {rank}'s consolidated state has {len(local['param_groups'])} parameter "
+                               f"groups, the optimizer has {len(shard_groups)} now: call "
+                               "consolidate_state_dict() again after add_param_group()")
+        for local_group, shard_group in zip(local["param_groups"], shard_groups):
+            if len(local_group["params"]) != len(shard_group["params"]):
+                raise RuntimeError(f"rank {rank}'s consolidated state does not match its shard now: call "
+                                   "consolidate_state_dict() again after add_param_group()")
+            for local_index, param in zip(local_group["params"], shard_group["params"]):
+                if local_index in local["state"]:
+                    base["state"][index[param]] = local["state"][local_index]
+    base["state"] = dict(sorted(base["state"].items()))
+    return base
+
+
+def local_state(state: dict, param_groups: list[dict], owner: dict, rank: int) -> dict:
+    """{parameter: its state, on the parameter's device} for the global `state` entries `rank` steps.
+
+    Zero-dimensional tensors (Adam's "step") go to the CPU, where the optimizers keep them unless
+    capturable. Raises IndexError naming the index if `state` numbers a parameter that does not exist.
+    """
+    params = list(chain.from_iterable(g["params"] for g in param_groups))
+    loaded = {}
+    for index, value in state.items():
+        if not 0 <= index < len(params):
+            raise IndexError(f"state_dict['state'] has an entry for parameter {index}, the optimizer has "
+                             f"{len(params)} parameters")
+        param = params[index]
+        if owner[param] != rank:
+            continue  # another rank's shard: that rank loads it
+        value = copy_to(value, param.device)
+        loaded[param] = {k: v.cpu() if torch.is_tensor(v) and v.dim() == 0 else v for k, v in value.items()}
+    return loaded
