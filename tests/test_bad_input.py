@@ -82,7 +82,7 @@ def test_ddp_unknown_keyword_is_a_type_error_as_in_torch(keyword, suggestion):
         torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2), **{keyword: 25})
 
 
-@pytest.mark.parametrize("keyword, value", [("mixed_precision", "bf16"), ("bucket_cap_mb_list", [1, 25]),
+@pytest.mark.parametrize("keyword, value", [("mixed_precision", "bf16"),
                                             ("skip_all_reduce_unused_params", True),
                                             ("delay_all_reduce_named_params", [("w", None)]),
                                             ("param_to_hook_all_reduce", "w")])

@@ -18,6 +18,7 @@ Second read, one file per mode or feature, each saying what it changes in the co
   sparse.py       sparse gradients as a bucket kind
   grad_views.py   gradient_as_bucket_view=True as a bucket kind
   autocap.py      bucket_cap_mb="auto": time a few caps, keep rank 0's fastest
+  cap_list.py     bucket_cap_mb_list: the buckets cut by the user's list of limits
   debug.py        debug mode: per-step fingerprints of what each rank reduces
   timeline.py     the event recorder behind model.enable_timeline() (does nothing when off)
   inspection.py   enable_timeline(), bucket_plan(), auto_bucket_cap

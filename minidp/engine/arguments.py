@@ -15,7 +15,11 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from ..validate import check_bool, check_number
+from .cap_list import check_cap_list
 from .hooks import Transport
+
+# torch DDP's keywords that minidp implements in second-read files, with their defaults.
+TORCH_KEYWORDS = {"bucket_cap_mb_list": None}
 
 
 def group_of_mesh(device_mesh, process_group):
@@ -32,11 +36,14 @@ def group_of_mesh(device_mesh, process_group):
     return device_mesh.get_group(mesh_dim=0)
 
 
-def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupported: dict, constructor) -> None:
+def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupported: dict, constructor) -> dict:
     """The constructor's checks that need no process group (they raise before any collective).
 
     Args:
+        unsupported: the keywords minidp.DDP's signature does not name (torch DDP's later ones).
         constructor: the wrapper's __init__, whose keywords an unknown one is matched against (did you mean?).
+    Returns:
+        torch DDP's later keywords that minidp implements (TORCH_KEYWORDS), checked, defaults filled in.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module={type(module).__name__} must be a torch.nn.Module")
@@ -54,10 +61,15 @@ def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupport
         check_number("bucket_cap_mb", bucket_cap_mb, low=0)  # 0: one bucket per tensor, as in torch DDP
         if not math.isfinite(bucket_cap_mb):
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be finite (a number of MiB)")
+    keywords = dict(TORCH_KEYWORDS)
     for name, value in unsupported.items():
         check_keyword(name, constructor)
-        if value not in (None, False):
+        if name in keywords:
+            keywords[name] = value
+        elif value not in (None, False):
             raise ValueError(f"minidp.DDP does not support {name}={value!r}")
+    keywords["bucket_cap_mb_list"] = check_cap_list(keywords["bucket_cap_mb_list"], bucket_cap_mb)
+    return keywords
 
 
 def check_keyword(name: str, constructor) -> None:

@@ -43,7 +43,9 @@ def set_torch_attributes(ddp, output_device, dim, batched_grad_copy, device_mesh
     ddp.named_module_buffers, ddp.modules_buffers = named_buffers, list(named_buffers.values())
     ddp._ignored_buffers = len(named_buffers) != sum(1 for _ in ddp.module.buffers())
     ddp.mixed_precision, ddp.is_multi_device_module, ddp.skip_all_reduce_unused_params = None, False, False
-    ddp.bucket_bytes_cap_default = ddp.bucket_cap_mb is None
+    caps = ddp.torch_keywords["bucket_cap_mb_list"]  # None or MiB (cap_list.py)
+    ddp.bucket_bytes_cap_default = ddp.bucket_cap_mb is None and caps is None
+    ddp.bucket_bytes_cap_list = [] if caps is None else [int(mb * 1024 * 1024) for mb in caps]
     ddp.use_side_stream_for_tensor_copies = False  # inputs are copied on the current stream (move_inputs)
 
 

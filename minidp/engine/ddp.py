@@ -60,8 +60,8 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
                      find_unused_parameters=find_unused_parameters,
                      gradient_as_bucket_view=gradient_as_bucket_view,
                      forward_sync_buffers=forward_sync_buffers, batched_grad_copy=batched_grad_copy)
-        check_arguments(module, bucket_cap_mb, process_group, flags, unsupported,
-                        constructor=type(self).__init__)  # for a misspelt keyword's hint
+        self.torch_keywords = check_arguments(module, bucket_cap_mb, process_group, flags,
+                                              unsupported, constructor=type(self).__init__)
         ignored = compat.ignored_names(module)  # neither broadcast nor averaged
         self.parameters_to_ignore = ignored
         all_named = [(n, p) for n, p in module.named_parameters() if n not in ignored]
@@ -88,7 +88,7 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
         self.transport = check_transport(transport, module, self.process_group)
         compat.set_torch_attributes(self, output_device, dim, batched_grad_copy, device_mesh)
         named = [(n, p) for n, p in all_named if p.requires_grad]
-        settings = [f"bucket_cap_mb={bucket_cap_mb}",
+        settings = [f"bucket_cap_mb={bucket_cap_mb}", f"keywords={self.torch_keywords}",
                     f"find_unused_parameters={find_unused_parameters}",
                     f"gradient_as_bucket_view={gradient_as_bucket_view}",
                     f"transport={None if transport is None else type(transport).__name__}"]

@@ -22,7 +22,7 @@ class BucketLayout:
     Args:
         params, names: the reducer's parameters and their names.
         mode: modes.choose's Mode: sparse (by parameter), new_bucket (the bucket kinds),
-            needs_rebuild (rebuild once, in ready order), cap (MiB; None: DDP's default) and tuner.
+            needs_rebuild (rebuild once, in ready order), cap (MiB; None: default), limits, tuner.
         process_group: the group whose rank 0's order is adopted (None: the world).
         allocate: build buffers (False at world size 1 on the default path: the plan alone).
     """
@@ -35,7 +35,7 @@ class BucketLayout:
         self.allocate = allocate
         self.new_bucket = mode.new_bucket  # the bucket kind: buckets.py, grad_views.py, sparse.py
         self.needs_rebuild = mode.needs_rebuild
-        self.cap = mode.cap      # the cap in use (changed only by use_cap)
+        self.cap, self.limits = mode.cap, mode.limits  # the cap in use (use_cap), its limits
         self.tuner = mode.tuner  # bucket_cap_mb="auto": calls use_cap in the first iterations
         self.world_size = dist.get_world_size(process_group)
         self.device = params[0].device
@@ -51,7 +51,7 @@ class BucketLayout:
         ones: in registration order until the rebuild, then in rank 0's ready order."""
         sizes = [p.numel() * p.element_size() for p in self.params]
         keys = [(p.dtype, p.device) for p in self.params]
-        limits = planning.bucket_limits(cap, first_iteration, self.needs_rebuild)
+        limits = self.limits(cap, first_iteration, self.needs_rebuild)
         if first_iteration or not self.needs_rebuild:
             return planning.plan_initial(sizes, keys, limits, self.sparse)
         return planning.plan_rebuilt(sizes, keys, limits, self.rebuilt_order, self.sparse)

@@ -2,7 +2,8 @@
 
 What it changes in the core: nothing; it picks. The reducer asks a readiness policy (readiness.py,
 static_graph.py); the layout makes its buckets with a factory (buckets.py, grad_views.py, sparse.py,
-which also says which gradients are sparse) and lets a tuner change its cap (autocap.py). `choose`
+which also says which gradients are sparse), cuts them by a list of limits (planning.py, or
+cap_list.py's bucket_cap_mb_list) and lets a tuner change its cap (autocap.py). `choose`
 picks them from the keywords, once per reducer (again when a pickled wrapper is loaded), so no file
 of the first read imports a mode's file.
 """
@@ -12,8 +13,10 @@ import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
+from . import planning
 from .autocap import AutoCap
 from .buckets import Bucket
+from .cap_list import limits_of
 from .grad_views import ViewBucket
 from .readiness import EveryParameter, FindUnused
 from .sparse import SparseBucket, sparse_gradient_flags
@@ -28,7 +31,9 @@ class Mode(NamedTuple):
     new_bucket: (index, param_indices, params, sparse) -> a bucket of the mode's kind.
     needs_rebuild: torch's `static_graph or not find_unused_parameters`: rebuilt once, in ready order.
     cap: the cap (MiB) the layout starts with: bucket_cap_mb (None: DDP's default), or under "auto"
-        the tuner's first candidate.
+        the tuner's first candidate; with bucket_cap_mb_list, the list's largest (as torch's).
+    limits: (cap, first_iteration, needs_rebuild) -> the byte limits of a plan: planning's
+        bucket_limits, or bucket_cap_mb_list's (cap_list.py).
     tuner: bucket_cap_mb="auto"'s AutoCap, which changes the layout's cap in the first iterations.
     compile_cap: the cap torch.compile's graph is cut at (graph_split.py): bucket_cap_mb, or DDP's
         default (None) under "auto", whose cap is not chosen yet when the module is compiled.
@@ -39,6 +44,7 @@ class Mode(NamedTuple):
     new_bucket: Callable
     needs_rebuild: bool
     cap: float | None
+    limits: Callable
     tuner: AutoCap | None
     compile_cap: float | None
 
@@ -65,11 +71,15 @@ def choose(ddp, params: list, names: list[str]) -> Mode:
         readiness = EveryParameter(names)
     dense = ViewBucket if ddp.gradient_as_bucket_view else Bucket
     tuner = AutoCap() if bucket_cap_mb == "auto" else None  # the one place that reads "auto"
+    caps = ddp.torch_keywords["bucket_cap_mb_list"]  # None, or a non-empty list (cap_list.py)
+    limits = planning.bucket_limits if caps is None else functools.partial(limits_of, caps)
+    bucket_cap_mb = bucket_cap_mb if caps is None else max(caps)  # torch ignores it then
     return Mode(readiness=readiness,
                 sparse=sparse,
                 new_bucket=functools.partial(new_bucket, dense=dense),
                 needs_rebuild=static_graph or not find_unused_parameters,
                 cap=bucket_cap_mb if tuner is None else tuner.cap,
+                limits=limits,
                 tuner=tuner,
                 compile_cap=bucket_cap_mb if tuner is None else None)
 
