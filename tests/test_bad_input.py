@@ -83,7 +83,6 @@ def test_ddp_unknown_keyword_is_a_type_error_as_in_torch(keyword, suggestion):
 
 
 @pytest.mark.parametrize("keyword, value", [("mixed_precision", "bf16"),
-                                            ("skip_all_reduce_unused_params", True),
                                             ("delay_all_reduce_named_params", [("w", None)]),
                                             ("param_to_hook_all_reduce", "w")])
 def test_ddp_keyword_of_torch_ddp_that_minidp_lacks_is_refused_by_name(keyword, value):

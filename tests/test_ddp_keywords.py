@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.profiler import ProfilerActivity, profile
 
 import minidp
 from harness import run_ranks
@@ -61,10 +62,12 @@ def _run(engine, build, kwargs, steps=STEPS):
     def record(step):
         seen.append([p.grad is None for p in model.module.parameters()])
 
-    train(model, opt, rank_batches(steps, dist.get_rank(), targets=(4, 4)), per_step=record)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # counts every c10d collective
+        train(model, opt, rank_batches(steps, dist.get_rank(), targets=(4, 4)), per_step=record)
+    allreduces = sum(event.name == "c10d::allreduce_" for event in prof.events())
     # torch's report of the rebuilt buckets is updated by the forward after the rebuild: read at the end
     layout = _minidp_layout(model, initial) if initial is not None else _torch_layout(model)
-    return {"layout": layout, "nones": seen, "params": snapshot(model.module)}
+    return {"layout": layout, "nones": seen, "params": snapshot(model.module), "allreduces": allreduces}
 
 
 CASES = {
@@ -73,6 +76,11 @@ CASES = {
     "cap_list_unused": (lambda: Stack(skip=True),
                         dict(bucket_cap_mb_list=[0.001, 0.01], find_unused_parameters=True)),
     "cap_list_static": (Stack, dict(bucket_cap_mb_list=[0.02, 0.005], static_graph=True)),
+    # `e` unused on every rank; 0.0005 MiB puts e.weight with d.bias, e.bias in a bucket of its own
+    "skip_unused": (lambda: Stack(skip=True), dict(bucket_cap_mb=0.0005, find_unused_parameters=True,
+                                                   skip_all_reduce_unused_params=True)),
+    "no_skip_unused": (lambda: Stack(skip=True), dict(bucket_cap_mb=0.0005, find_unused_parameters=True)),
+    "skip_used": (Stack, dict(skip_all_reduce_unused_params=True)),  # nothing unused: no change
 }
 
 
@@ -87,19 +95,36 @@ def results(request):
     return run_ranks(_worker, request.param, timeout=240)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("cap_list")])
-def test_bucket_cap_mb_list_buckets_and_weights_are_torch_ddps(results, case):
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("cap_list")] + ["no_skip_unused"])
+def test_buckets_and_weights_are_torch_ddps(results, case):
     for rank_results in results:
         got, want = rank_results[case]["minidp"], rank_results[case]["torch"]
         assert got["layout"] == want["layout"]
         assert got["nones"] == want["nones"]
         assert bitwise_equal(got["params"], want["params"])
+        assert got["allreduces"] == want["allreduces"]
+
+
+@pytest.mark.parametrize("case", ["skip_unused", "skip_used"])
+def test_skip_all_reduce_unused_params_skips_torch_ddps_buckets(results, case):
+    for rank_results in results:
+        got, want = rank_results[case]["minidp"], rank_results[case]["torch"]
+        assert got["layout"] == want["layout"]
+        assert got["nones"] == want["nones"]
+        assert bitwise_equal(got["params"], want["params"])
+        assert got["allreduces"] == want["allreduces"]  # the skipped bucket's all-reduce is not issued
+    if case == "skip_unused":  # one all-reduce fewer a step than without the keyword
+        plain = results[0]["no_skip_unused"]
+        assert plain["minidp"]["allreduces"] == plain["torch"]["allreduces"]
+        assert results[0][case]["minidp"]["allreduces"] == plain["minidp"]["allreduces"] - STEPS
 
 
 @pytest.mark.parametrize("kwargs, error", [
     (dict(bucket_cap_mb_list="25"), TypeError), (dict(bucket_cap_mb_list=[1, -1]), ValueError),
     (dict(bucket_cap_mb_list=[float("inf")]), ValueError), (dict(bucket_cap_mb_list=[True]), TypeError),
-    (dict(bucket_cap_mb_list=[1], bucket_cap_mb="auto"), ValueError)])
-def test_bad_bucket_cap_mb_list_is_refused_before_any_collective(kwargs, error):
-    with pytest.raises(error, match="bucket_cap_mb_list"):
+    (dict(bucket_cap_mb_list=[1], bucket_cap_mb="auto"), ValueError),
+    (dict(skip_all_reduce_unused_params="yes"), TypeError),
+    (dict(skip_all_reduce_unused_params=True, static_graph=True), ValueError)])
+def test_bad_keyword_values_are_refused_before_any_collective(kwargs, error):
+    with pytest.raises(error, match=next(iter(kwargs))):
         minidp.DDP(nn.Linear(2, 2), **kwargs)  # no process group here: it raises before one is needed

@@ -17,9 +17,10 @@ from torch.nn.parameter import is_lazy
 from ..validate import check_bool, check_number
 from .cap_list import check_cap_list
 from .hooks import Transport
+from .skip_unused import check_skip
 
 # torch DDP's keywords that minidp implements in second-read files, with their defaults.
-TORCH_KEYWORDS = {"bucket_cap_mb_list": None}
+TORCH_KEYWORDS = {"bucket_cap_mb_list": None, "skip_all_reduce_unused_params": False}
 
 
 def group_of_mesh(device_mesh, process_group):
@@ -69,6 +70,8 @@ def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupport
         elif value not in (None, False):
             raise ValueError(f"minidp.DDP does not support {name}={value!r}")
     keywords["bucket_cap_mb_list"] = check_cap_list(keywords["bucket_cap_mb_list"], bucket_cap_mb)
+    skip = keywords["skip_all_reduce_unused_params"]
+    keywords["skip_all_reduce_unused_params"] = check_skip(skip, flags["static_graph"])
     return keywords
 
 

@@ -42,7 +42,8 @@ def set_torch_attributes(ddp, output_device, dim, batched_grad_copy, device_mesh
     ddp.divide_by_initial_world_size = True  # set by join_hook(), under join()
     ddp.named_module_buffers, ddp.modules_buffers = named_buffers, list(named_buffers.values())
     ddp._ignored_buffers = len(named_buffers) != sum(1 for _ in ddp.module.buffers())
-    ddp.mixed_precision, ddp.is_multi_device_module, ddp.skip_all_reduce_unused_params = None, False, False
+    ddp.mixed_precision, ddp.is_multi_device_module = None, False
+    ddp.skip_all_reduce_unused_params = ddp.torch_keywords["skip_all_reduce_unused_params"]
     caps = ddp.torch_keywords["bucket_cap_mb_list"]  # None or MiB (cap_list.py)
     ddp.bucket_bytes_cap_default = ddp.bucket_cap_mb is None and caps is None
     ddp.bucket_bytes_cap_list = [] if caps is None else [int(mb * 1024 * 1024) for mb in caps]
@@ -99,6 +100,9 @@ class TorchCompat:
 
     def _set_static_graph(self) -> None:
         """static_graph=True after construction, before the first iteration (torch DDP's private API)."""
+        if self.torch_keywords["skip_all_reduce_unused_params"]:  # as at construction (skip_unused.py)
+            raise ValueError("minidp.DDP does not support skip_all_reduce_unused_params=True with "
+                             "static_graph=True; use it with find_unused_parameters=True")
         if not self.static_graph:  # torch only warns when it is set already
             set_static_graph(self.reducer)
             self.static_graph = True

@@ -19,6 +19,7 @@ from .buckets import Bucket
 from .cap_list import limits_of
 from .grad_views import ViewBucket
 from .readiness import EveryParameter, FindUnused
+from .skip_unused import SkipUnused
 from .sparse import SparseBucket, sparse_gradient_flags
 from .static_graph import StaticGraph
 
@@ -65,8 +66,9 @@ def choose(ddp, params: list, names: list[str]) -> Mode:
     find_unused_parameters = ddp.find_unused_parameters
     if static_graph:
         readiness = StaticGraph(names)
-    elif find_unused_parameters:
-        readiness = FindUnused(names)
+    elif find_unused_parameters:  # skip_all_reduce_unused_params: less some all-reduces
+        skip = ddp.torch_keywords["skip_all_reduce_unused_params"]
+        readiness = (SkipUnused if skip else FindUnused)(names)
     else:
         readiness = EveryParameter(names)
     dense = ViewBucket if ddp.gradient_as_bucket_view else Bucket
