@@ -38,6 +38,8 @@ class Case(NamedTuple):
     tied: bool = False  # a model with one weight shared by two layers
     late_group: bool = False  # the head joins through add_param_group() at step 5
     torch_ddp: bool = False  # both ZeROs beside torch DDP (else minidp's beside minidp.DDP)
+    tiny: bool = False  # one Linear: two parameters, so at 3 and 4 ranks some ranks own nothing
+    subgroup: bool = False  # process_group = ranks 1.. (3 and 4 ranks only): group ranks are not global ones
 
 
 CASES = {
@@ -49,6 +51,9 @@ CASES = {
     "adamw-tied-bucket": Case("adamw", tied=True, bucket_view=True),
     "sgd-add-group-bucket": Case("sgd", bucket_view=True, late_group=True),
     "adam-beside-torch-ddp": Case("adam", groups=True, bucket_view=True, torch_ddp=True),
+    "sgd-tiny-bucket": Case("sgd", tiny=True, bucket_view=True),
+    "adam-subgroup": Case("adam", groups=True, subgroup=True),
+    "adamw-subgroup-bucket": Case("adamw", subgroup=True, bucket_view=True),
 }
 
 
@@ -67,12 +72,14 @@ class Net(nn.Module):
         return self.head(torch.tanh(self.b2(h)))
 
 
-def _net(tied=False):
+def _net(tied=False, tiny=False):
     torch.manual_seed(0)
-    return Net(tied)
+    return nn.Linear(8, 4) if tiny else Net(tied)
 
 
 def _params(net, case):
+    if case.tiny:
+        return list(net.parameters())
     params = [p for name, p in net.named_parameters() if not (case.late_group and name.startswith("head"))]
     if not case.groups:
         return params
@@ -85,11 +92,12 @@ def _hyperparameters(param_groups):
     return [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
 
 
-def _train_case(case, zero_cls, ddp_cls, rank):
-    net = _net(case.tied)
-    model = ddp_cls(net)
+def _train_case(case, zero_cls, ddp_cls, rank, group=None):
+    net = _net(case.tied, case.tiny)
+    model = ddp_cls(net, process_group=group)
     optimizer_class, defaults = OPTIMIZERS[case.optim]
-    opt = zero_cls(_params(net, case), optimizer_class, parameters_as_bucket_view=case.bucket_view, **defaults)
+    opt = zero_cls(_params(net, case), optimizer_class, process_group=group,
+                   parameters_as_bucket_view=case.bucket_view, **defaults)
 
     def per_step(step):
         if step == STEPS // 2:
@@ -99,15 +107,25 @@ def _train_case(case, zero_cls, ddp_cls, rank):
             opt.add_param_group({"params": list(net.head.parameters()), "lr": 0.03})
 
     train(model, opt, rank_batches(STEPS, rank), per_step=per_step)
-    return {"weights": snapshot(net), "param_groups": _hyperparameters(opt.param_groups)}
+    to = dist.get_world_size(group) - 1  # the last rank of the group: `to` and group ranks are honoured
+    opt.consolidate_state_dict(to=to)
+    return {"weights": snapshot(net), "param_groups": _hyperparameters(opt.param_groups),
+            "state": opt.state_dict() if dist.get_rank(group) == to else None}
 
 
 def _training(rank):
+    world_size = dist.get_world_size()
+    # every rank creates the group (new_group is collective); ranks outside it skip its cases
+    subgroup = dist.new_group(list(range(1, world_size))) if world_size >= 3 else None
     out = {}
     for name, case in CASES.items():
+        if case.subgroup and (subgroup is None or rank == 0):
+            out[name] = None
+            continue
+        group = subgroup if case.subgroup else None
         mine_ddp = TorchDDP if case.torch_ddp else minidp.DDP
-        out[name] = {"minidp": _train_case(case, minidp.ZeroRedundancyOptimizer, mine_ddp, rank),
-                     "torch": _train_case(case, TorchZero, TorchDDP, rank)}
+        out[name] = {"minidp": _train_case(case, minidp.ZeroRedundancyOptimizer, mine_ddp, rank, group),
+                     "torch": _train_case(case, TorchZero, TorchDDP, rank, group)}
     return out
 
 
@@ -206,9 +224,29 @@ def _bad_arguments():
     return out
 
 
+def _closure_and_zero_grad(rank):
+    """step(closure) returns the closure's loss; zero_grad(set_to_none=False) zeroes every rank's grads."""
+    x, y = rank_batches(1, rank)[0]
+    out = {}
+    for name, cls in (("minidp", minidp.ZeroRedundancyOptimizer), ("torch", TorchZero)):
+        net = _net()
+        opt = cls(net.parameters(), torch.optim.SGD, lr=0.1)
+
+        def closure(opt=opt, net=net):
+            opt.zero_grad()
+            loss = F.mse_loss(net(x), y)
+            loss.backward()
+            return loss
+
+        loss = opt.step(closure)
+        opt.zero_grad(set_to_none=False)
+        out[name] = (loss.detach(), snapshot(net), [p.grad for p in net.parameters()])
+    return out
+
+
 def _worker():
     rank = dist.get_rank()
-    return {"training": _training(rank), "partition": _partition(),
+    return {"training": _training(rank), "partition": _partition(), "closure": _closure_and_zero_grad(rank),
             "checkpoint": {"torch->minidp": _checkpoint(TorchZero, minidp.ZeroRedundancyOptimizer, False, rank),
                            "minidp->torch": _checkpoint(minidp.ZeroRedundancyOptimizer, TorchZero, True, rank)},
             "errors": _bad_arguments()}
@@ -233,12 +271,17 @@ def _same(a, b):
 
 @pytest.mark.parametrize("case", CASES)
 def test_training_equals_torch_zero_bitwise(ranks, case):
-    for rank, out in enumerate(ranks):
-        got = out["training"][case]
+    results = [out["training"][case] for out in ranks if out["training"][case] is not None]
+    if not results:
+        pytest.skip("a subgroup of ranks 1.. needs 3 ranks or more")
+    states = [got["minidp"]["state"] for got in results if got["minidp"]["state"] is not None]
+    assert len(states) == 1  # the consolidated state is on the `to` rank only
+    for rank, got in enumerate(results):
         assert _same(got["minidp"]["weights"], got["torch"]["weights"]), (case, rank)
         assert got["minidp"]["param_groups"] == got["torch"]["param_groups"], (case, rank)
+        assert _same(got["minidp"]["state"], got["torch"]["state"]), (case, rank)  # torch's format, equal
         # every rank ends with every updated weight (the broadcasts)
-        assert _same(got["minidp"]["weights"], ranks[0]["training"][case]["minidp"]["weights"]), (case, rank)
+        assert _same(got["minidp"]["weights"], results[0]["minidp"]["weights"]), (case, rank)
 
 
 def test_partition_equals_torchs(ranks):
@@ -259,6 +302,13 @@ def test_partition_rule_by_hand():
     # rank 0: 5, then 2 (loads 5|3 -> 5|6 -> 7|6); group 2's tensor goes to rank 1 (7 > 6)
     assert as_ids == [[[1, 2], []], [[0, 3], [4]]]
     assert [g["lr"] for g in got[1]] == [0.1, 0.2]
+
+
+def test_closure_and_zero_grad_as_torchs(ranks):
+    for rank, out in enumerate(ranks):
+        (loss, weights, grads), theirs = out["closure"]["minidp"], out["closure"]["torch"]
+        assert _same((loss, weights, grads), theirs), rank
+        assert all(g is not None and not g.any() for g in grads), rank
 
 
 @pytest.mark.parametrize("direction", ["torch->minidp", "minidp->torch"])
