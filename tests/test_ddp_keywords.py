@@ -4,6 +4,9 @@ Each case trains the same model under minidp.DDP and torch DDP with the same key
 what torch shows of its buckets (`_get_ddp_logging_data()`: the bucket sizes, the rebuilt layout),
 which `.grad` are None after each step, and the final weights (torch.equal).
 """
+import pickle
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.profiler import ProfilerActivity, profile
 
 import minidp
-from harness import run_ranks
+from harness import error_of, run_ranks
 from training import bitwise_equal, rank_batches, snapshot, train
 
 STEPS = 6
@@ -43,7 +46,7 @@ def _torch_layout(model) -> dict:
 def _minidp_layout(model, initial) -> dict:
     """minidp's buckets in torch's report format (torch reports the initial sizes, then the rebuilt)."""
     sizes = {n: p.numel() * p.element_size() for n, p in model.module.named_parameters()}
-    index = {n: i for i, (n, _) in enumerate(model.module.named_parameters())}
+    index = {n: i for i, n in enumerate(model.reducer.names)}  # the reducer's: as torch's, less ignored
     plan = model.bucket_plan()
     rebuilt = plan != initial
     return {"sizes": ", ".join(str(sum(sizes[n] for n in b)) for b in initial),
@@ -51,10 +54,13 @@ def _minidp_layout(model, initial) -> dict:
             "rebuilt_sizes": ", ".join(str(sum(sizes[n] for n in b)) for b in plan) if rebuilt else None}
 
 
-def _run(engine, build, kwargs, steps=STEPS):
-    """Train `steps` steps: which .grad are None after each; then the layout and the weights."""
+def _run(engine, build, kwargs, steps=STEPS, accumulate=1):
+    """Train `steps` steps: which .grad are None after each; then the layout and the weights.
+
+    `kwargs` is the DDP keywords, or a function of the module that returns them."""
     torch.manual_seed(0)
-    model = engine(build(), **kwargs)
+    module = build()
+    model = engine(module, **(kwargs(module) if callable(kwargs) else kwargs))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     initial = model.bucket_plan() if engine is minidp.DDP else None
     seen = []
@@ -63,7 +69,8 @@ def _run(engine, build, kwargs, steps=STEPS):
         seen.append([p.grad is None for p in model.module.parameters()])
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:  # counts every c10d collective
-        train(model, opt, rank_batches(steps, dist.get_rank(), targets=(4, 4)), per_step=record)
+        train(model, opt, rank_batches(steps * accumulate, dist.get_rank(), targets=(4, 4)),
+              per_step=record, accumulate=accumulate)
     allreduces = sum(event.name == "c10d::allreduce_" for event in prof.events())
     # torch's report of the rebuilt buckets is updated by the forward after the rebuild: read at the end
     layout = _minidp_layout(model, initial) if initial is not None else _torch_layout(model)
@@ -81,13 +88,44 @@ CASES = {
                                                    skip_all_reduce_unused_params=True)),
     "no_skip_unused": (lambda: Stack(skip=True), dict(bucket_cap_mb=0.0005, find_unused_parameters=True)),
     "skip_used": (Stack, dict(skip_all_reduce_unused_params=True)),  # nothing unused: no change
+    # c's parameters averaged apart, when a.weight's gradient (the last computed) is
+    "delayed": (Stack, lambda m: dict(delay_all_reduce_named_params=list(m.c.named_parameters("c")),
+                                      param_to_hook_all_reduce=m.a.weight, bucket_cap_mb=0.01)),
+    "delayed_no_sync": (Stack, lambda m: dict(delay_all_reduce_named_params=[("b.bias", m.b.bias)],
+                                              param_to_hook_all_reduce=m.a.weight), {"accumulate": 2}),
 }
+
+
+def _waited_all_reduce(tensor, *args, async_op=False, **kwargs):
+    """dist.all_reduce, waited for at once. torch DDP's delayed all-reduce (its only Python one) is
+    launched async and never waited for: under no_sync() the next backward accumulates into the
+    buffer while it may still be reduced, so torch's own results vary from run to run. Waited for,
+    they are what torch computes when that race is lost by nobody; minidp waits at the end of the
+    backward, which gives the same values."""
+    work = _ALL_REDUCE(tensor, *args, async_op=async_op, **kwargs)
+    if async_op:
+        work.wait()
+    return work
+
+
+_ALL_REDUCE = dist.all_reduce
+
+
+def _torch_run(*args, **kwargs):
+    with mock.patch.object(dist, "all_reduce", _waited_all_reduce):
+        return _run(TorchDDP, *args, **kwargs)
 
 
 def _worker():
     torch.set_num_threads(1)
-    return {name: {"minidp": _run(minidp.DDP, build, kwargs), "torch": _run(TorchDDP, build, kwargs)}
-            for name, (build, kwargs) in CASES.items()}
+    results = {name: {"minidp": _run(minidp.DDP, build, kwargs, **train_args),
+                      "torch": _torch_run(build, kwargs, **train_args)}
+               for name, (build, kwargs, *more) in CASES.items() for train_args in [more[0] if more else {}]}
+    module = Stack()
+    delayed = minidp.DDP(module, delay_all_reduce_named_params=[("b.bias", module.b.bias)],
+                         param_to_hook_all_reduce=module.a.weight)
+    results["pickle_delayed"] = error_of(pickle.dumps, delayed)
+    return results
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
@@ -95,7 +133,7 @@ def results(request):
     return run_ranks(_worker, request.param, timeout=240)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("cap_list")] + ["no_skip_unused"])
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith(("cap_list", "delayed"))] + ["no_skip_unused"])
 def test_buckets_and_weights_are_torch_ddps(results, case):
     for rank_results in results:
         got, want = rank_results[case]["minidp"], rank_results[case]["torch"]
@@ -113,6 +151,7 @@ def test_skip_all_reduce_unused_params_skips_torch_ddps_buckets(results, case):
         assert got["nones"] == want["nones"]
         assert bitwise_equal(got["params"], want["params"])
         assert got["allreduces"] == want["allreduces"]  # the skipped bucket's all-reduce is not issued
+
     if case == "skip_unused":  # one all-reduce fewer a step than without the keyword
         plain = results[0]["no_skip_unused"]
         assert plain["minidp"]["allreduces"] == plain["torch"]["allreduces"]
@@ -128,3 +167,39 @@ def test_skip_all_reduce_unused_params_skips_torch_ddps_buckets(results, case):
 def test_bad_keyword_values_are_refused_before_any_collective(kwargs, error):
     with pytest.raises(error, match=next(iter(kwargs))):
         minidp.DDP(nn.Linear(2, 2), **kwargs)  # no process group here: it raises before one is needed
+
+
+def _delay_errors(model):
+    """What each wrong use of delay_all_reduce_named_params raises, before any collective."""
+    named = list(model[0].named_parameters("0"))
+    cases = {"alone": dict(delay_all_reduce_named_params=named),
+             "hook_alone": dict(param_to_hook_all_reduce=model[1].weight),
+             "wrong_name": dict(delay_all_reduce_named_params=[("1.weight", model[0].weight)],
+                                param_to_hook_all_reduce=model[0].weight),
+             "not_a_pair": dict(delay_all_reduce_named_params=[model[0].weight],
+                                param_to_hook_all_reduce=model[0].weight),
+             "foreign_hook": dict(delay_all_reduce_named_params=named,
+                                  param_to_hook_all_reduce=nn.Parameter(torch.zeros(1))),
+             "every_parameter": dict(delay_all_reduce_named_params=list(model.named_parameters()),
+                                     param_to_hook_all_reduce=model[0].weight)}
+    errors = {}
+    for name, kwargs in cases.items():
+        with pytest.raises((TypeError, ValueError)) as info:
+            minidp.DDP(model, **kwargs)  # no process group here: it raises before one is needed
+        errors[name] = (info.type.__name__, str(info.value))
+    return errors
+
+
+def test_a_wrapper_with_delayed_parameters_is_not_pickled(results):
+    assert results[0]["pickle_delayed"][0] == "RuntimeError"
+    assert "delay_all_reduce_named_params cannot be pickled" in results[0]["pickle_delayed"][1]
+
+
+def test_wrong_delay_all_reduce_keywords_are_refused_before_any_collective():
+    errors = _delay_errors(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    both = "delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time."
+    assert errors["alone"] == ("ValueError", both) and errors["hook_alone"] == ("ValueError", both)
+    assert errors["wrong_name"][0] == "ValueError" and "'1.weight' is not the name" in errors["wrong_name"][1]
+    assert errors["not_a_pair"][0] == "TypeError"
+    assert "param_to_hook_all_reduce must be a parameter of the module" in errors["foreign_hook"][1]
+    assert "naming every parameter" in errors["every_parameter"][1]

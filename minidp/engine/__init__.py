@@ -14,6 +14,7 @@ Second read, one file per mode or feature, each saying what it changes in the co
   readiness.py    the readiness policies: default and find_unused_parameters
   static_graph.py static_graph=True as a readiness policy: hook counts learned in the first iteration
   skip_unused.py  skip_all_reduce_unused_params=True: wholly unused buckets are not all-reduced
+  delayed.py      delay_all_reduce_named_params: parameters averaged apart, at a chosen hook
   recovery.py     a backward that raised on one rank: the step closed on every rank, the status exchange
   join.py         uneven inputs on torch's Join protocol, and join()'s divisor
   sparse.py       sparse gradients as a bucket kind

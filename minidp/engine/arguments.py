@@ -16,11 +16,14 @@ from torch.nn.parameter import is_lazy
 
 from ..validate import check_bool, check_number
 from .cap_list import check_cap_list
+from .compat import ignored_names
+from .delayed import check_delayed
 from .hooks import Transport
 from .skip_unused import check_skip
 
 # torch DDP's keywords that minidp implements in second-read files, with their defaults.
-TORCH_KEYWORDS = {"bucket_cap_mb_list": None, "skip_all_reduce_unused_params": False}
+TORCH_KEYWORDS = {"bucket_cap_mb_list": None, "skip_all_reduce_unused_params": False,
+                  "delay_all_reduce_named_params": None, "param_to_hook_all_reduce": None}
 
 
 def group_of_mesh(device_mesh, process_group):
@@ -44,7 +47,8 @@ def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupport
         unsupported: the keywords minidp.DDP's signature does not name (torch DDP's later ones).
         constructor: the wrapper's __init__, whose keywords an unknown one is matched against (did you mean?).
     Returns:
-        torch DDP's later keywords that minidp implements (TORCH_KEYWORDS), checked, defaults filled in.
+        torch DDP's later keywords that minidp implements (TORCH_KEYWORDS), checked, defaults filled in
+        (parameters by name).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module={type(module).__name__} must be a torch.nn.Module")
@@ -72,6 +76,9 @@ def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupport
     keywords["bucket_cap_mb_list"] = check_cap_list(keywords["bucket_cap_mb_list"], bucket_cap_mb)
     skip = keywords["skip_all_reduce_unused_params"]
     keywords["skip_all_reduce_unused_params"] = check_skip(skip, flags["static_graph"])
+    delayed = keywords["delay_all_reduce_named_params"], keywords["param_to_hook_all_reduce"]
+    names, hook_name = check_delayed(module, *delayed, ignored_names(module, {}))  # names, not tensors
+    keywords["delay_all_reduce_named_params"], keywords["param_to_hook_all_reduce"] = names, hook_name
     return keywords
 
 

@@ -13,13 +13,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
+from .delayed import DelayedAllReduce
 from .devices import move_inputs
 from .static_graph import set_static_graph
 
 
-def ignored_names(module: nn.Module) -> set:
-    """The names set by _set_params_and_buffers_to_ignore_for_model: neither broadcast nor averaged."""
-    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+def ignored_names(module: nn.Module, keywords: dict) -> set:
+    """The names set by _set_params_and_buffers_to_ignore_for_model: neither broadcast nor averaged by
+    the reducer; with them, as in torch DDP, delay_all_reduce_named_params' (delayed.py averages those)."""
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | set(
+        keywords.get("delay_all_reduce_named_params") or ())
 
 
 def buffer_sync(broadcast_buffers, forward_sync_buffers) -> tuple[bool, bool]:
@@ -48,6 +51,12 @@ def set_torch_attributes(ddp, output_device, dim, batched_grad_copy, device_mesh
     ddp.bucket_bytes_cap_default = ddp.bucket_cap_mb is None and caps is None
     ddp.bucket_bytes_cap_list = [] if caps is None else [int(mb * 1024 * 1024) for mb in caps]
     ddp.use_side_stream_for_tensor_copies = False  # inputs are copied on the current stream (move_inputs)
+    names = ddp.torch_keywords["delay_all_reduce_named_params"]
+    hook_name = ddp.torch_keywords["param_to_hook_all_reduce"]
+    ddp._delayed = None if names is None else DelayedAllReduce(ddp, names, hook_name)  # ranks meet there
+    ddp._delay_all_reduce_params = [] if names is None else ddp._delayed.params  # torch DDP's names
+    ddp._delay_grad_buffer = None if names is None else ddp._delayed.buffer
+    ddp._delay_grad_views = [] if names is None else ddp._delayed.views
 
 
 def buffers_to_sync(ddp) -> list[torch.Tensor]:
@@ -116,6 +125,9 @@ class TorchCompat:
         if self.process_group != dist.group.WORLD:
             raise RuntimeError("minidp.DDP can be pickled only on the default process group (as torch DDP): "
                                f"this one was built with process_group={self.process_group!r}")
+        if self._delayed is not None:  # its hooks hold this process's parameters and buffer
+            raise RuntimeError("a minidp.DDP built with delay_all_reduce_named_params cannot be pickled. "
+                               "Save model.module.state_dict() instead.")
         if self.transport is not None:
             raise RuntimeError(f"a minidp.DDP built with transport={self.transport!r} cannot be pickled: the "
                                "transport holds live communicators. Save model.module.state_dict() instead.")

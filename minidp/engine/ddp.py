@@ -62,7 +62,7 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
                      forward_sync_buffers=forward_sync_buffers, batched_grad_copy=batched_grad_copy)
         self.torch_keywords = check_arguments(module, bucket_cap_mb, process_group, flags,
                                               unsupported, constructor=type(self).__init__)
-        ignored = compat.ignored_names(module)  # neither broadcast nor averaged
+        ignored = compat.ignored_names(module, self.torch_keywords)  # not broadcast nor averaged
         self.parameters_to_ignore = ignored
         all_named = [(n, p) for n, p in module.named_parameters() if n not in ignored]
         named_buffers = {n: b for n, b in module.named_buffers() if n not in ignored}
