@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -244,9 +245,26 @@ def _closure_and_zero_grad(rank):
     return out
 
 
+def _uneven_inputs(rank):
+    """Rank r has 3 + r batches, under Join([model, optimizer]): a joined rank still steps its shard and
+    broadcasts it (the join hook) while the others train on."""
+    out = {}
+    for name, zero_cls, ddp_cls in (("minidp", minidp.ZeroRedundancyOptimizer, minidp.DDP),
+                                    ("torch", TorchZero, TorchDDP)):
+        net = _net()
+        model = ddp_cls(net)
+        opt = zero_cls(net.parameters(), torch.optim.Adam, lr=0.01)
+        with Join([model, opt]):
+            for batch in rank_batches(3 + rank, rank):
+                _one_step(model, opt, batch)
+        out[name] = snapshot(net)
+    return out
+
+
 def _worker():
     rank = dist.get_rank()
-    return {"training": _training(rank), "partition": _partition(), "closure": _closure_and_zero_grad(rank),
+    return {"uneven": _uneven_inputs(rank), "training": _training(rank), "partition": _partition(),
+            "closure": _closure_and_zero_grad(rank),
             "checkpoint": {"torch->minidp": _checkpoint(TorchZero, minidp.ZeroRedundancyOptimizer, False, rank),
                            "minidp->torch": _checkpoint(minidp.ZeroRedundancyOptimizer, TorchZero, True, rank)},
             "errors": _bad_arguments()}
@@ -302,6 +320,12 @@ def test_partition_rule_by_hand():
     # rank 0: 5, then 2 (loads 5|3 -> 5|6 -> 7|6); group 2's tensor goes to rank 1 (7 > 6)
     assert as_ids == [[[1, 2], []], [[0, 3], [4]]]
     assert [g["lr"] for g in got[1]] == [0.1, 0.2]
+
+
+def test_uneven_inputs_under_join_as_torchs(ranks):
+    for rank, out in enumerate(ranks):
+        assert _same(out["uneven"]["minidp"], out["uneven"]["torch"]), rank
+        assert _same(out["uneven"]["minidp"], ranks[0]["uneven"]["minidp"]), rank
 
 
 def test_closure_and_zero_grad_as_torchs(ranks):
