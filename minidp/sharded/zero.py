@@ -58,7 +58,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self.global_rank = global_rank(self.process_group, self.rank)
-        self._default_device = self.param_groups[0]["params"][0].device  # where checkpoint bytes travel
+        # where checkpoint bytes travel (a CUDA device under NCCL)
+        self._default_device = next(p for g in self.param_groups for p in g["params"]).device
         self._optim_defaults = defaults
         # Every rank computes every rank's shard: the broadcasts need to know what each rank sends.
         self._partition = partition.partition_parameters(self.param_groups, self.world_size)
@@ -141,6 +142,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._partition = partition.partition_parameters(self.param_groups, self.world_size)
         self.optim.add_param_group(self._partition[self.rank][-1])
         self._build_buffers()
+        self._trainable = self._trainable_mask()  # the buffers are new: no rebuild at the next step
 
     @staticmethod
     def _sync_param_groups(src: list[dict], dst: list[dict]) -> None:
