@@ -116,8 +116,55 @@ def _torch_run(*args, **kwargs):
         return _run(TorchDDP, *args, **kwargs)
 
 
+class TwoDtypes(nn.Module):
+    """A float32 layer, then a float64 one: two bucket groups, two dtypes in the logging data."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4).double()
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)).double()).float()
+
+
+LOGGED = {  # name -> (model, DDP keywords, sample rate or None, comm hook or None)
+    "default": (Stack, {}, None, None),
+    "static": (Stack, dict(static_graph=True, bucket_cap_mb=0.01), None, None),
+    "skip": (lambda: Stack(skip=True), dict(bucket_cap_mb=0.0005, find_unused_parameters=True,
+                                            skip_all_reduce_unused_params=True), None, None),
+    "cap_list_rate3": (Stack, dict(bucket_cap_mb_list=[0.001, 0.002]), 3, None),
+    # no rebuild: torch orders the leftover buckets of several dtypes by hash, minidp by first seen
+    "two_dtypes": (TwoDtypes, dict(find_unused_parameters=True), None, None),
+    "hooked": (Stack, dict(bucket_cap_mb=0.01), None, "allreduce"),
+    "builtin_hook": (Stack, {}, None, dist.BuiltinCommHookType.ALLREDUCE),
+}
+LOGGING_STEPS = 13
+
+
+def _logged(engine, build, kwargs, rate, hook):
+    """_get_ddp_logging_data() after construction, after registering a hook, after each step."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.manual_seed(0)
+    model = engine(build(), **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = [model._get_ddp_logging_data()]
+    if rate is not None:
+        model._set_ddp_runtime_logging_sample_rate(rate)
+    if hook == "allreduce":
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    elif hook is not None:
+        model._register_builtin_comm_hook(hook)
+    seen.append(model._get_ddp_logging_data())
+    train(model, opt, rank_batches(LOGGING_STEPS, dist.get_rank(), targets=(4, 4)),
+          per_step=lambda step: seen.append(model._get_ddp_logging_data()))
+    return seen
+
+
 def _worker():
     torch.set_num_threads(1)
+    logged = {name: {"minidp": _logged(minidp.DDP, *case), "torch": _logged(TorchDDP, *case)}
+              for name, case in LOGGED.items()}
     results = {name: {"minidp": _run(minidp.DDP, build, kwargs, **train_args),
                       "torch": _torch_run(build, kwargs, **train_args)}
                for name, (build, kwargs, *more) in CASES.items() for train_args in [more[0] if more else {}]}
@@ -125,6 +172,7 @@ def _worker():
     delayed = minidp.DDP(module, delay_all_reduce_named_params=[("b.bias", module.b.bias)],
                          param_to_hook_all_reduce=module.a.weight)
     results["pickle_delayed"] = error_of(pickle.dumps, delayed)
+    results["logged"] = logged
     return results
 
 
@@ -188,6 +236,31 @@ def _delay_errors(model):
             minidp.DDP(model, **kwargs)  # no process group here: it raises before one is needed
         errors[name] = (info.type.__name__, str(info.value))
     return errors
+
+
+# What minidp reports of torch's logging data (the rest is torch's timings and process-group settings)
+REPORTED = {"backend_name", "module_name", "device_ids", "dtypes", "bucket_sizes", "broadcast_buffers",
+            "bucket_cap_bytes", "find_unused_parameters", "gradient_as_bucket_view", "has_sync_bn",
+            "is_multi_device_module", "iteration", "num_parameter_tensors", "output_device", "rank",
+            "world_size", "total_parameter_size_bytes", "master_addr", "master_port", "cuda_visible_devices",
+            "torch_distributed_debug", "gloo_socket_ifname", "gloo_device_transport"}
+SAMPLED = {"has_rebuilt_buckets", "num_buckets_reduced"}  # from the first sample on
+
+
+@pytest.mark.parametrize("case", list(LOGGED))
+def test_ddp_logging_data_has_torch_ddps_values(results, case):
+    for rank_results in results:
+        got, want = rank_results["logged"][case]["minidp"], rank_results["logged"][case]["torch"]
+        assert len(got) == len(want) == LOGGING_STEPS + 2
+        for when, (mine, torchs) in enumerate(zip(got, want)):
+            assert REPORTED <= set(mine) and (SAMPLED <= set(mine) or when < 3)
+            assert {k: torchs.get(k, "<absent>") for k in mine} == mine, f"after call/step {when}"
+        assert got[-1]["iteration"] == want[-1]["iteration"] > 0
+        if case != "default":  # the keys only some configurations have
+            extra = {"static": "static_graph", "cap_list_rate3": "rebuilt_per_bucket_param_indices",
+                     "hooked": "comm_hook", "builtin_hook": "comm_hook", "skip": "num_buckets_reduced",
+                     "two_dtypes": "dtypes"}
+            assert extra[case] in got[-1]
 
 
 def test_a_wrapper_with_delayed_parameters_is_not_pickled(results):

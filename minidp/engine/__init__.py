@@ -25,6 +25,7 @@ Second read, one file per mode or feature, each saying what it changes in the co
   timeline.py     the event recorder behind model.enable_timeline() (does nothing when off)
   inspection.py   enable_timeline(), bucket_plan(), auto_bucket_cap
   compat.py       the torch-compat surface: torch DDP's attributes, legacy helpers, pickling
+  logging_data.py _get_ddp_logging_data(): torch DDP's logging dictionary, what minidp knows
   hook_checks.py  torch DDP's checks of a comm hook at registration
   arguments.py    the constructor's checks before any collective: arguments, device_mesh, transport
   devices.py      one device per process: device_ids checked, inputs moved there as DDP does

@@ -15,6 +15,7 @@ from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from .delayed import DelayedAllReduce
 from .devices import move_inputs
+from .logging_data import RuntimeSamples, logging_data, set_sample_rate
 from .static_graph import set_static_graph
 
 
@@ -57,6 +58,8 @@ def set_torch_attributes(ddp, output_device, dim, batched_grad_copy, device_mesh
     ddp._delay_all_reduce_params = [] if names is None else ddp._delayed.params  # torch DDP's names
     ddp._delay_grad_buffer = None if names is None else ddp._delayed.buffer
     ddp._delay_grad_views = [] if names is None else ddp._delayed.views
+    ddp._logging = RuntimeSamples(ddp)  # what _get_ddp_logging_data() reports of past forwards
+    ddp._builtin_hook_name = None  # set by _register_builtin_comm_hook, as torch's logger names it
 
 
 def buffers_to_sync(ddp) -> list[torch.Tensor]:
@@ -106,6 +109,15 @@ class TorchCompat:
                             "(ALLREDUCE or FP16_COMPRESS)")
         self.register_comm_hook(None if self.process_group == dist.group.WORLD else self.process_group,
                                 hooks[comm_hook_type])
+        self._builtin_hook_name = str(comm_hook_type)
+
+    def _get_ddp_logging_data(self) -> dict:
+        """torch DDP's logging dictionary: the keys minidp knows, with torch's values (logging_data.py)."""
+        return logging_data(self)
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """Sample the runtime values at iterations 1 to 10, then every `sample_rate`-th (100)."""
+        set_sample_rate(self, sample_rate)
 
     def _set_static_graph(self) -> None:
         """static_graph=True after construction, before the first iteration (torch DDP's private API)."""

@@ -35,12 +35,14 @@ class SkipUnused(FindUnused):
     def missing_at_end(self, reducer, step) -> list[int]:
         missing = set(super().missing_at_end(reducer, step))
         step.skipped = set()  # parameters of the skipped buckets: not written back
+        self.skipped_buckets = 0  # this step's, for model._get_ddp_logging_data() (logging_data.py)
         for bucket in reducer.layout.buckets[len(step.futures):]:
             if all(i in missing for i in bucket.param_indices):
                 reducer.launch_ready_buckets(step, at_end=True)  # those before it, in order
                 step.pending[bucket.index] = 0
                 step.futures.append(finished(bucket.buffer))  # no collective, no write-back
                 step.skipped.update(bucket.param_indices)
+                self.skipped_buckets += 1
                 continue
             for i in bucket.param_indices:
                 if i in missing:
