@@ -82,7 +82,15 @@ def test_ddp_unknown_keyword_is_a_type_error_as_in_torch(keyword, suggestion):
         torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2), **{keyword: 25})
 
 
-@pytest.mark.parametrize("keyword, value", [("mixed_precision", "bf16")])
-def test_ddp_keyword_of_torch_ddp_that_minidp_lacks_is_refused_by_name(keyword, value):
-    with pytest.raises(ValueError, match=f"minidp.DDP does not support {keyword}="):
-        minidp.DDP(torch.nn.Linear(2, 2), **{keyword: value})
+MIXED = torch.nn.parallel.distributed._MixedPrecision(torch.bfloat16, torch.float32)
+
+
+@pytest.mark.parametrize("kwargs, refused", [
+    (dict(mixed_precision=MIXED, static_graph=True), "mixed_precision with static_graph=True"),
+    (dict(mixed_precision=MIXED, gradient_as_bucket_view=True), "mixed_precision with gradient_as_bucket_view=True"),
+    (dict(skip_all_reduce_unused_params=True, static_graph=True),
+     "skip_all_reduce_unused_params=True with static_graph"),
+])
+def test_ddp_keyword_combination_minidp_lacks_is_refused_by_name(kwargs, refused):
+    with pytest.raises(ValueError, match=f"minidp.DDP does not support {refused}"):
+        minidp.DDP(torch.nn.Linear(2, 2), **kwargs)

@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.nn.parallel.distributed import _MixedPrecision
 
 import minidp
 from harness import error_of, run_ranks
@@ -89,7 +90,8 @@ def _error_worker():
             build("cnn_bn")))),
         "torch_syncbn_on_cpu_torch": error_of(lambda: TorchDDP(torch.nn.SyncBatchNorm.convert_sync_batchnorm(
             build("cnn_bn")))),
-        "unsupported_kwarg": error_of(lambda: minidp.DDP(build("mlp"), mixed_precision="bf16")),
+        "unsupported_kwarg": error_of(lambda: minidp.DDP(
+            build("mlp"), find_unused_parameters=True, mixed_precision=_MixedPrecision(torch.bfloat16, torch.float32))),
     }
     # After all those errors the group still works: a clean model trains (nothing left half-done).
     ok = minidp.DDP(build("mlp"))
@@ -173,7 +175,7 @@ def test_overlap_first_bucket_launched_before_last_gradient(two_ranks):
     ("torch_syncbn_on_cpu", "ValueError", ["SyncBatchNorm layers only work with GPU modules",
                                            "minidp.convert_sync_batchnorm"]),
     ("torch_syncbn_on_cpu_torch", "ValueError", ["SyncBatchNorm layers only work with GPU modules"]),  # the same
-    ("unsupported_kwarg", "ValueError", ["mixed_precision='bf16'"]),
+    ("unsupported_kwarg", "ValueError", ["does not support mixed_precision with find_unused_parameters=True"]),
 ])
 def test_errors_on_every_rank(two_ranks, case, error, words):
     for rank, result in enumerate(two_ranks):

@@ -2,7 +2,9 @@
 
 Each case trains the same model under minidp.DDP and torch DDP with the same keywords and compares
 what torch shows of its buckets (`_get_ddp_logging_data()`: the bucket sizes, the rebuilt layout),
-which `.grad` are None after each step, and the final weights (torch.equal).
+which `.grad` are None after each step, the number of all-reduces (torch's profiler) and the final
+weights (torch.equal). mixed_precision runs in torch DDP on an accelerator only: on the CPU it is
+checked against the arithmetic written out (_mixed_reference), on a GPU against torch DDP.
 """
 import pickle
 from unittest import mock
@@ -127,6 +129,73 @@ class TwoDtypes(nn.Module):
         return self.b(torch.tanh(self.a(x)).double()).float()
 
 
+class Scaled(Stack):
+    """Stack with a float buffer in forward: mixed_precision casts it to buffer_dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.full((32,), 0.5))
+
+    def forward(self, x):
+        h = torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x))))))
+        return self.d(h * self.scale) + self.e(h)
+
+
+def _float_loss(model, batch):
+    """The mean squared error, in float32 whatever the output's dtype."""
+    x, y = batch
+    return (model(x).float() - y).pow(2).mean()
+
+
+MIXED = {  # name -> (param_dtype, reduce_dtype, buffer_dtype, micro-batches a step)
+    "bf16_reduce_fp32": (torch.bfloat16, torch.float32, torch.bfloat16, 1),
+    "bf16_reduce_bf16": (torch.bfloat16, torch.bfloat16, torch.bfloat16, 1),
+    "fp16_no_sync": (torch.float16, torch.float32, torch.float16, 2),
+}
+
+
+def _mixed(dtypes, device="cpu"):
+    """minidp.DDP(mixed_precision=...) for STEPS steps: final weights, dtypes of weights, grads, buffer."""
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    *config, accumulate = dtypes
+    torch.manual_seed(0)
+    model = minidp.DDP(Scaled().to(device), mixed_precision=_MixedPrecision(*config), bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dtypes_seen = []
+    batches = [tuple(t.to(device) for t in b) for b in rank_batches(STEPS * accumulate, dist.get_rank())]
+    train(model, opt, batches, loss_fn=_float_loss, accumulate=accumulate, per_step=lambda step: dtypes_seen.append(
+        {(p.dtype, p.grad.dtype) for p in model.parameters()}))
+    return {"params": snapshot(model.module), "dtypes": dtypes_seen, "buffer": model.module.scale.dtype}
+
+
+def _mixed_reference(dtypes):
+    """What mixed precision computes, written out: fp32 masters; each micro-batch a param_dtype copy
+    for forward and backward, its gradients summed in param_dtype; the sum cast to reduce_dtype,
+    all-reduced (SUM) and divided by the world size there; cast up as the fp32 .grad; SGD."""
+    param_dtype, reduce_dtype, buffer_dtype, accumulate = dtypes
+    torch.manual_seed(0)
+    module = Scaled()
+    if buffer_dtype is not None:
+        module.scale.data = module.scale.to(buffer_dtype)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    batches = rank_batches(STEPS * accumulate, dist.get_rank())
+    for step in range(STEPS):
+        summed = None
+        for x, y in batches[step * accumulate:(step + 1) * accumulate]:
+            low = {n: p.detach().to(param_dtype).requires_grad_() for n, p in module.named_parameters()}
+            out = torch.func.functional_call(module, {**low, "scale": module.scale}, (x.to(param_dtype),))
+            grads = torch.autograd.grad((out.float() - y).pow(2).mean(), list(low.values()))
+            summed = list(grads) if summed is None else [a + g for a, g in zip(summed, grads)]
+        for p, g in zip(module.parameters(), summed):
+            reduced = g.to(reduce_dtype)
+            dist.all_reduce(reduced)
+            p.grad = reduced.div_(dist.get_world_size()).to(p.dtype)
+        opt.step()
+        opt.zero_grad()
+    return snapshot(module)
+
+
 LOGGED = {  # name -> (model, DDP keywords, sample rate or None, comm hook or None)
     "default": (Stack, {}, None, None),
     "static": (Stack, dict(static_graph=True, bucket_cap_mb=0.01), None, None),
@@ -173,6 +242,15 @@ def _worker():
                          param_to_hook_all_reduce=module.a.weight)
     results["pickle_delayed"] = error_of(pickle.dumps, delayed)
     results["logged"] = logged
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    mixed = minidp.DDP(Stack(), mixed_precision=_MixedPrecision(torch.bfloat16, torch.float32))
+    results["pickle_mixed"] = error_of(pickle.dumps, mixed)
+    mixed.register_comm_hook(None, default_hooks.allreduce_hook)  # torch raises here: it has its own
+    results["hook_mixed"] = error_of(mixed, torch.randn(4, 8))
+    results["mixed"] = {name: {"minidp": _mixed(dtypes), "reference": _mixed_reference(dtypes)}
+                        for name, dtypes in MIXED.items()}
     return results
 
 
@@ -211,6 +289,9 @@ def test_skip_all_reduce_unused_params_skips_torch_ddps_buckets(results, case):
     (dict(bucket_cap_mb_list=[float("inf")]), ValueError), (dict(bucket_cap_mb_list=[True]), TypeError),
     (dict(bucket_cap_mb_list=[1], bucket_cap_mb="auto"), ValueError),
     (dict(skip_all_reduce_unused_params="yes"), TypeError),
+    (dict(mixed_precision="bf16"), TypeError),
+    (dict(mixed_precision=torch.nn.parallel.distributed._MixedPrecision(torch.bfloat16)), ValueError),
+    (dict(mixed_precision=torch.nn.parallel.distributed._MixedPrecision(torch.int8, torch.float32)), TypeError),
     (dict(skip_all_reduce_unused_params=True, static_graph=True), ValueError)])
 def test_bad_keyword_values_are_refused_before_any_collective(kwargs, error):
     with pytest.raises(error, match=next(iter(kwargs))):
@@ -263,9 +344,57 @@ def test_ddp_logging_data_has_torch_ddps_values(results, case):
             assert extra[case] in got[-1]
 
 
-def test_a_wrapper_with_delayed_parameters_is_not_pickled(results):
+@pytest.mark.parametrize("case", list(MIXED))
+def test_mixed_precision_is_the_written_out_reference(results, case):
+    param_dtype, reduce_dtype, buffer_dtype, _ = MIXED[case]
+    for rank_results in results:
+        got = rank_results["mixed"][case]
+        if dist_world(results) == 2:  # at 2 ranks a sum does not depend on where it sits in a bucket
+            assert bitwise_equal(got["minidp"]["params"], got["reference"])
+        assert all(seen == {(torch.float32, torch.float32)} for seen in got["minidp"]["dtypes"])
+        assert got["minidp"]["buffer"] == (buffer_dtype or torch.float32)
+    assert bitwise_equal(results[0]["mixed"][case]["minidp"]["params"], results[-1]["mixed"][case]["minidp"]["params"])
+
+
+def dist_world(results):
+    return len(results)
+
+
+def _mixed_against_torch():
+    """On a GPU, where torch DDP runs its mixed precision: minidp's and torch's weights after STEPS."""
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    out = {}
+    for name, (*config, accumulate) in MIXED.items():
+        weights = []
+        for engine in (minidp.DDP, TorchDDP):
+            torch.manual_seed(0)
+            device = torch.device("cuda", torch.cuda.current_device())
+            model = engine(Scaled().to(device), mixed_precision=_MixedPrecision(*config), bucket_cap_mb=0.01)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            batches = [tuple(t.to(device) for t in b) for b in rank_batches(STEPS * accumulate, dist.get_rank())]
+            train(model, opt, batches, loss_fn=_float_loss, accumulate=accumulate)
+            weights.append([w.cpu() for w in snapshot(model.module)])
+        out[name] = weights
+    return out
+
+
+@pytest.mark.gpu
+def test_mixed_precision_is_torch_ddps_on_a_gpu():
+    for name, (mine, torchs) in run_ranks(_mixed_against_torch, 1, timeout=240)[0].items():
+        assert bitwise_equal(mine, torchs), name
+
+
+def test_a_wrapper_with_delayed_parameters_or_mixed_precision_is_not_pickled(results):
     assert results[0]["pickle_delayed"][0] == "RuntimeError"
     assert "delay_all_reduce_named_params cannot be pickled" in results[0]["pickle_delayed"][1]
+    assert results[0]["pickle_mixed"][0] == "RuntimeError"
+    assert "mixed_precision cannot be pickled" in results[0]["pickle_mixed"][1]
+
+
+def test_mixed_precision_refuses_a_comm_hook_as_torch_does(results):
+    assert results[0]["hook_mixed"][0] == "RuntimeError"
+    assert "can only be called once" in results[0]["hook_mixed"][1]
 
 
 def test_wrong_delay_all_reduce_keywords_are_refused_before_any_collective():

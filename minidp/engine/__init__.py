@@ -19,6 +19,7 @@ Second read, one file per mode or feature, each saying what it changes in the co
   join.py         uneven inputs on torch's Join protocol, and join()'s divisor
   sparse.py       sparse gradients as a bucket kind
   grad_views.py   gradient_as_bucket_view=True as a bucket kind
+  mixed_precision.py  mixed_precision: low-precision forward/backward, reduce_dtype buckets
   autocap.py      bucket_cap_mb="auto": time a few caps, keep rank 0's fastest
   cap_list.py     bucket_cap_mb_list: the buckets cut by the user's list of limits
   debug.py        debug mode: per-step fingerprints of what each rank reduces

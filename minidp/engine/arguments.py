@@ -19,11 +19,13 @@ from .cap_list import check_cap_list
 from .compat import ignored_names
 from .delayed import check_delayed
 from .hooks import Transport
+from .mixed_precision import check_mixed_precision
 from .skip_unused import check_skip
 
 # torch DDP's keywords that minidp implements in second-read files, with their defaults.
 TORCH_KEYWORDS = {"bucket_cap_mb_list": None, "skip_all_reduce_unused_params": False,
-                  "delay_all_reduce_named_params": None, "param_to_hook_all_reduce": None}
+                  "delay_all_reduce_named_params": None, "param_to_hook_all_reduce": None,
+                  "mixed_precision": None}
 
 
 def group_of_mesh(device_mesh, process_group):
@@ -79,6 +81,7 @@ def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupport
     delayed = keywords["delay_all_reduce_named_params"], keywords["param_to_hook_all_reduce"]
     names, hook_name = check_delayed(module, *delayed, ignored_names(module, {}))  # names, not tensors
     keywords["delay_all_reduce_named_params"], keywords["param_to_hook_all_reduce"] = names, hook_name
+    keywords["mixed_precision"] = check_mixed_precision(keywords["mixed_precision"], flags)
     return keywords
 
 

@@ -46,7 +46,7 @@ def set_torch_attributes(ddp, output_device, dim, batched_grad_copy, device_mesh
     ddp.divide_by_initial_world_size = True  # set by join_hook(), under join()
     ddp.named_module_buffers, ddp.modules_buffers = named_buffers, list(named_buffers.values())
     ddp._ignored_buffers = len(named_buffers) != sum(1 for _ in ddp.module.buffers())
-    ddp.mixed_precision, ddp.is_multi_device_module = None, False
+    ddp.mixed_precision, ddp.is_multi_device_module = ddp.torch_keywords["mixed_precision"], False
     ddp.skip_all_reduce_unused_params = ddp.torch_keywords["skip_all_reduce_unused_params"]
     caps = ddp.torch_keywords["bucket_cap_mb_list"]  # None or MiB (cap_list.py)
     ddp.bucket_bytes_cap_default = ddp.bucket_cap_mb is None and caps is None
@@ -137,9 +137,10 @@ class TorchCompat:
         if self.process_group != dist.group.WORLD:
             raise RuntimeError("minidp.DDP can be pickled only on the default process group (as torch DDP): "
                                f"this one was built with process_group={self.process_group!r}")
-        if self._delayed is not None:  # its hooks hold this process's parameters and buffer
-            raise RuntimeError("a minidp.DDP built with delay_all_reduce_named_params cannot be pickled. "
-                               "Save model.module.state_dict() instead.")
+        for keyword in ("delay_all_reduce_named_params", "mixed_precision"):  # hooks on this process's tensors
+            if self.torch_keywords[keyword] is not None:
+                raise RuntimeError(f"a minidp.DDP built with {keyword} cannot be pickled. "
+                                   "Save model.module.state_dict() instead.")
         if self.transport is not None:
             raise RuntimeError(f"a minidp.DDP built with transport={self.transport!r} cannot be pickled: the "
                                "transport holds live communicators. Save model.module.state_dict() instead.")

@@ -18,6 +18,7 @@ from .autocap import AutoCap
 from .buckets import Bucket
 from .cap_list import limits_of
 from .grad_views import ViewBucket
+from .mixed_precision import MixedPrecisionBucket, MixedPrecisionState
 from .readiness import EveryParameter, FindUnused
 from .skip_unused import SkipUnused
 from .sparse import SparseBucket, sparse_gradient_flags
@@ -72,6 +73,8 @@ def choose(ddp, params: list, names: list[str]) -> Mode:
     else:
         readiness = EveryParameter(names)
     dense = ViewBucket if ddp.gradient_as_bucket_view else Bucket
+    if ddp.mixed_precision is not None:  # mixed_precision.py: buckets in reduce_dtype
+        dense = functools.partial(MixedPrecisionBucket, state=MixedPrecisionState(ddp, sparse))
     tuner = AutoCap() if bucket_cap_mb == "auto" else None  # the one place that reads "auto"
     caps = ddp.torch_keywords["bucket_cap_mb_list"]  # None, or a non-empty list (cap_list.py)
     limits = planning.bucket_limits if caps is None else functools.partial(limits_of, caps)
