@@ -42,11 +42,11 @@ def group_of_mesh(device_mesh, process_group):
     return device_mesh.get_group(mesh_dim=0)
 
 
-def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupported: dict, constructor) -> dict:
+def check_arguments(module, bucket_cap_mb, process_group, flags: dict, torch_later: dict, constructor) -> dict:
     """The constructor's checks that need no process group (they raise before any collective).
 
     Args:
-        unsupported: the keywords minidp.DDP's signature does not name (torch DDP's later ones).
+        torch_later: the keywords minidp.DDP's signature does not name (torch DDP's later ones).
         constructor: the wrapper's __init__, whose keywords an unknown one is matched against (did you mean?).
     Returns:
         torch DDP's later keywords that minidp implements (TORCH_KEYWORDS), checked, defaults filled in
@@ -69,7 +69,7 @@ def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupport
         if not math.isfinite(bucket_cap_mb):
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be finite (a number of MiB)")
     keywords = dict(TORCH_KEYWORDS)
-    for name, value in unsupported.items():
+    for name, value in torch_later.items():
         check_keyword(name, constructor)
         if name in keywords:
             keywords[name] = value
@@ -88,16 +88,18 @@ def check_arguments(module, bucket_cap_mb, process_group, flags: dict, unsupport
 def check_keyword(name: str, constructor) -> None:
     """A keyword minidp.DDP lacks: TypeError unless torch DDP has it (a misspelt keyword fails as in torch).
 
-    torch DDP's own keywords that minidp lacks (mixed_precision, bucket_cap_mb_list, ...) pass here: the
-    caller refuses them by name unless left at their defaults, so a script that spells out torch's
-    defaults still runs. The hint names the closest keyword of `constructor` (the wrapper's __init__,
-    passed in: this module does not import ddp.py, which imports it).
+    torch DDP's own keywords that minidp.DDP's signature does not name pass here: those in TORCH_KEYWORDS
+    are implemented in second-read files; any other the caller refuses by name unless left at its
+    default, so a script that spells out torch's defaults still runs. The hint names the closest
+    keyword of `constructor` (the wrapper's __init__, passed in: this module does not import ddp.py,
+    which imports it).
     """
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     if name in inspect.signature(TorchDDP.__init__).parameters:
         return
-    accepted = [k for k in inspect.signature(constructor).parameters if k != "self"]
+    accepted = [k for k, p in inspect.signature(constructor).parameters.items()
+                if k != "self" and p.kind != p.VAR_KEYWORD]
     close = difflib.get_close_matches(name, accepted, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise TypeError(f"DistributedDataParallel.__init__() got an unexpected keyword argument {name!r}{hint}")

@@ -52,7 +52,7 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, debug: bool | None = None, transport=None,
                  forward_sync_buffers: bool | None = None, batched_grad_copy: bool = False,
-                 device_mesh=None, **unsupported):
+                 device_mesh=None, **torch_later):
         super().__init__()  # nn.Module's, and Joinable's (join.py) on the way
         process_group = group_of_mesh(device_mesh, process_group)
         flags = dict(broadcast_buffers=broadcast_buffers, init_sync=init_sync,
@@ -61,7 +61,7 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
                      gradient_as_bucket_view=gradient_as_bucket_view,
                      forward_sync_buffers=forward_sync_buffers, batched_grad_copy=batched_grad_copy)
         self.torch_keywords = check_arguments(module, bucket_cap_mb, process_group, flags,
-                                              unsupported, constructor=type(self).__init__)
+                                              torch_later, constructor=type(self).__init__)
         ignored = compat.ignored_names(module, self.torch_keywords)  # not broadcast nor averaged
         self.parameters_to_ignore = ignored
         all_named = [(n, p) for n, p in module.named_parameters() if n not in ignored]

@@ -13,6 +13,8 @@ Three policies, as torch DDP's three modes (modes.choose picks one from the wrap
   EveryParameter   find_unused_parameters=False (default): each parameter, once per backward
   FindUnused       find_unused_parameters=True: missing parameters are reduced as zeros
   StaticGraph      static_graph=True (static_graph.py): counts learned in the first step
+and FindUnused's variant SkipUnused (skip_unused.py, skip_all_reduce_unused_params=True): a bucket
+wholly unused on this rank is not all-reduced.
 """
 from __future__ import annotations
 
