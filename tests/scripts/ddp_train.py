@@ -2,7 +2,7 @@
 
 tests/test_readme.py applies the README's ```diff blocks to it (torch DDP -> minidp) and runs the
 result under torchrun at world size 2 on CPU (gloo), which works only if the switch is complete.
-Rank 0 prints the world size, the engine, the state_dict key prefix, and whether every rank ended
+Rank 0 prints the world size, the engine, the optimizer's class, the state_dict key prefix, and whether every rank ended
 with the same weights.
 """
 import os
@@ -19,7 +19,7 @@ model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Li
 dist.init_process_group("nccl")
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 model = DDP(model.cuda(), device_ids=[local_rank])
-opt = torch.optim.SGD(model.parameters(), lr=0.05)
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 device = next(model.parameters()).device
 torch.manual_seed(1 + dist.get_rank())  # each rank its own batches
 for _ in range(3):
@@ -42,6 +42,6 @@ for work in works:
 if dist.get_rank() == 0:
     engine = f"{type(model).__module__.split('.')[0]}.{type(model).__name__}"
     prefixed = all(k.startswith("module.") for k in model.state_dict())
-    print(f"train.py: {dist.get_world_size()} ranks, {engine}, state_dict keys with 'module.': {prefixed}, "
-          f"same weights on every rank: {torch.equal(low, high)}", flush=True)
+    print(f"train.py: {dist.get_world_size()} ranks, {engine}, {type(opt).__name__}, state_dict keys with "
+          f"'module.': {prefixed}, same weights on every rank: {torch.equal(low, high)}", flush=True)
 dist.destroy_process_group()
