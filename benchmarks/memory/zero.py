@@ -1,0 +1,234 @@
+"""Does ZeRO-1 hold 1/N of the optimizer state per rank, as torch's does, and at what step cost?
+
+    python benchmarks/memory/zero.py            # world sizes 2 and 4, a 25 M-parameter model (a few minutes)
+    python benchmarks/memory/zero.py --quick    # tiny model, world size 2 only (seconds; the smoke test)
+
+Three configurations, each in fresh forked CPU ranks of its own (gloo, one thread a rank), so that
+one configuration's peak memory never mixes with another's:
+
+  ddp        torch DDP      + torch.optim.AdamW                                 (every rank: all the state)
+  torch_zero torch DDP      + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
+  minidp_zero minidp.DDP    + minidp.ZeroRedundancyOptimizer(AdamW)
+
+Per rank, after a few steps: the optimizer-state bytes, counted from the tensors the rank's (local)
+optimizer holds, each storage once (deduplicated by untyped_storage().data_ptr()), split into the
+moments (exp_avg, exp_avg_sq: 8 bytes a parameter in fp32) and AdamW's `step` (one 0-d fp32 tensor
+per parameter tensor: 4 bytes a tensor, not a parameter); and the process's peak RSS (VmHWM, via
+shared/memory.py's peak_mib). The prediction beside it is minidp.study.memory_model.predict_memory
+(params, N, k=8, weight_bytes=4, grad_bytes=4): DDP's optimizer column and ZeRO-1's (1/N of it).
+
+Then the step time: torch ZeRO (with torch DDP) and minidp ZeRO (with minidp.DDP) in the same two
+processes, alternating every step as speed/step_cost.py does, median of each and their ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHARED = os.path.join(os.path.dirname(HERE), "shared")
+for path in (HERE, SHARED):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
+
+import minidp  # noqa: E402
+from memory import peak_mib  # noqa: E402  (shared/memory.py: VmHWM on CPU)
+from minidp.study.memory_model import predict_memory  # noqa: E402
+
+CONFIGS = ("ddp", "torch_zero", "minidp_zero")
+LR = 1e-3
+
+
+def build_model(width: int, layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())])
+
+
+def make(config: str, width: int, layers: int):
+    """(wrapped model, optimizer, the optimizer that holds this rank's state)."""
+    model = build_model(width, layers)
+    if config == "ddp":
+        ddp = TorchDDP(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
+        return ddp, opt, opt
+    if config == "torch_zero":
+        ddp = TorchDDP(model)
+        opt = TorchZero(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+        return ddp, opt, opt.optim
+    ddp = minidp.DDP(model)
+    if config == "mixed":  # a diagnostic, not one of the three: which half a peak difference comes from
+        opt = TorchZero(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+        return ddp, opt, opt.optim
+    opt = minidp.ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+    return ddp, opt, opt.optim
+
+
+def step(model, opt, x, y) -> None:
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def state_bytes(local_opt) -> dict:
+    """Bytes of the tensors in the local optimizer's state, each storage once: moments and `step`s."""
+    seen, out = set(), {"moments": 0, "step": 0, "tensors": 0}
+    for param_state in local_opt.state.values():
+        for key, value in param_state.items():
+            if not torch.is_tensor(value):
+                continue
+            storage = value.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            out["step" if key == "step" else "moments"] += storage.nbytes()
+            out["tensors"] += 1
+    out["params_held"] = sum(p.numel() for p in local_opt.state)
+    out["param_tensors_held"] = len(local_opt.state)
+    return out
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _memory_rank(local_rank, config, width, layers, steps, out_path):
+    torch.set_num_threads(1)
+    start_rss = _rss_mib()  # what the forked rank starts with (the parent's pages it touches)
+    minidp.init(backend="gloo")
+    model, opt, local_opt = make(config, width, layers)
+    x, y = torch.randn(4, width), torch.randn(4, width)
+    for _ in range(steps):
+        step(model, opt, x, y)
+    mine = {"state": state_bytes(local_opt), "start_rss_mib": start_rss, "peak_mib": peak_mib(torch.device("cpu"))}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(everyone, f)
+    minidp.shutdown()
+
+
+def _timing_rank(local_rank, width, layers, steps, warmup, out_path):
+    torch.set_num_threads(1)
+    minidp.init(backend="gloo")
+    engines = {key: make(key, width, layers)[:2] for key in ("minidp_zero", "torch_zero")}
+    x, y = torch.randn(4, width), torch.randn(4, width)
+    times = {key: [] for key in engines}
+    for i in range(warmup + steps):
+        for key, (model, opt) in engines.items():  # alternate every step
+            dist.barrier()  # each timed step starts together on every rank
+            start = time.perf_counter()
+            step(model, opt, x, y)
+            if i >= warmup:
+                times[key].append(time.perf_counter() - start)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump({k: 1e3 * statistics.median(t) for k, t in times.items()}, f)
+    minidp.shutdown()
+
+
+def _launch(fn, nprocs, args):
+    with tempfile.TemporaryDirectory(prefix="minidp-zero-") as tmp:
+        out_path = os.path.join(tmp, "result.json")
+        minidp.launch(fn, nprocs=nprocs, args=(*args, out_path), start_method="fork")
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps, world size 2 only")
+    p.add_argument("--width", type=int, default=2048, help="Linear width of the memory model (default 2048)")
+    p.add_argument("--layers", type=int, default=6, help="Linear layers (default 6: 25.2 M parameters)")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=[*CONFIGS, "mixed"],
+                   help="configurations to measure (ddp first; 'mixed' = minidp.DDP + torch's ZeRO, a diagnostic)")
+    p.add_argument("--no-timing", action="store_true", help="skip the step-time comparison")
+    p.add_argument("--steps", type=int, default=3, help="steps before the state is counted (default 3)")
+    p.add_argument("--time-width", type=int, default=None, help="Linear width of the timing model "
+                   "(default: --width)")
+    p.add_argument("--time-steps", type=int, default=60, help="timed steps per engine (default 60)")
+    p.add_argument("--warmup", type=int, default=5)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.width, args.layers, args.world_sizes, args.steps = 128, 3, [2], 2
+        args.time_width, args.time_steps, args.warmup = 128, 10, 2
+    time_width = args.time_width or args.width
+    params = sum(q.numel() for q in build_model(args.width, args.layers).parameters())
+    tensors = 2 * args.layers
+    largest = args.width * args.width
+    print(f"minidp from {os.path.dirname(minidp.__file__)}, torch {torch.__version__}; forked CPU ranks, gloo, "
+          f"1 thread each")
+    print(f"memory model: {args.layers} x Linear({args.width}, {args.width}) = {params:,} parameters in "
+          f"{tensors} tensors (largest {largest:,}); batch 4; state counted after {args.steps} AdamW steps")
+    print("state = exp_avg + exp_avg_sq bytes (+ `step`: 4 bytes per parameter tensor held, shown apart); "
+          "predicted = predict_memory(params, N, k=8, weight_bytes=4, grad_bytes=4)['optimizer']")
+    print("off = (max over ranks of moments) - DDP's moments / N, in units of the largest tensor's moments "
+          f"({8 * largest / 2**20:.1f} MiB)")
+    print()
+    header = (f"{'N':>2} {'config':<12} {'state MiB/rank (min-max)':>25} {'step B':>7} {'predicted MiB':>13} "
+              f"{'off':>6} {'peak MiB/rank (max)':>19} {'start MiB':>9}")
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for n in args.world_sizes:
+        pred = predict_memory(params, n, k=8, weight_bytes=4, grad_bytes=4)
+        ddp_moments = None
+        for config in args.configs:
+            ranks = _launch(_memory_rank, n, (config, args.width, args.layers, args.steps))
+            moments = [r["state"]["moments"] for r in ranks]
+            steps_b = [r["state"]["step"] for r in ranks]
+            if config == "ddp":
+                ddp_moments = moments[0]
+                predicted = pred[0]["optimizer"]
+            else:
+                predicted = pred[1]["optimizer"]
+            off = (max(moments) - ddp_moments / n) / (8 * largest) if config != "ddp" and ddp_moments else 0.0
+            peak = max(r["peak_mib"] for r in ranks)
+            start = max(r["start_rss_mib"] for r in ranks)
+            row = {"world_size": n, "config": config, "moments_bytes": moments, "step_bytes": steps_b,
+                   "predicted_bytes": predicted, "off_in_largest_tensor": off,
+                   "peak_mib": [r["peak_mib"] for r in ranks], "start_rss_mib": [r["start_rss_mib"] for r in ranks],
+                   "params_held": [r["state"]["params_held"] for r in ranks]}
+            rows.append(row)
+            span = f"{min(moments) / 2**20:.1f}-{max(moments) / 2**20:.1f}"
+            print(f"{n:>2} {config:<12} {span:>25} {max(steps_b):>7} {predicted / 2**20:>13.1f} {off:>6.2f} "
+                  f"{peak:>19.1f} {start:>9.1f}", flush=True)
+    print()
+    for n in args.world_sizes:
+        by = {r["config"]: r for r in rows if r["world_size"] == n}
+        if "minidp_zero" not in by or "torch_zero" not in by:
+            continue
+        mz, tz = max(by["minidp_zero"]["peak_mib"]), max(by["torch_zero"]["peak_mib"])
+        same = by["minidp_zero"]["moments_bytes"] == by["torch_zero"]["moments_bytes"]
+        print(f"N={n}: minidp ZeRO state per rank equal to torch ZeRO's rank by rank: {same}; "
+              f"peak minidp / torch ZeRO {mz:.1f} / {tz:.1f} MiB = {mz / tz:.3f}")
+    if args.no_timing:
+        return 0
+    n = 2
+    t_params = sum(q.numel() for q in build_model(time_width, args.layers).parameters())
+    times = _launch(_timing_rank, n, (time_width, args.layers, args.time_steps, args.warmup))
+    print(f"step time, N={n}, {args.layers} x Linear({time_width}, {time_width}) = {t_params:,} parameters, "
+          f"{args.time_steps} timed steps each after {args.warmup}, alternating every step: median "
+          f"minidp ZeRO {times['minidp_zero']:.2f} ms, torch ZeRO {times['torch_zero']:.2f} ms, "
+          f"ratio {times['minidp_zero'] / times['torch_zero']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
