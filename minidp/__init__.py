@@ -33,6 +33,7 @@ _PUBLIC = {
     "print0": ".runtime.ranks",
     "SyncBatchNorm": ".train.syncbn", "convert_sync_batchnorm": ".train.syncbn",
     "ZeroRedundancyOptimizer": ".sharded.zero",
+    "fully_shard": ".sharded.fsdp.api",
 }
 __all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"

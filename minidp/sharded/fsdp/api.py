@@ -1,0 +1,189 @@
+"""minidp.fully_shard: FSDP2's `fully_shard` written from scratch (ZeRO-3, or ZeRO-2-like).
+
+    mesh = init_device_mesh("cpu", (world_size,))   # or leave mesh=None: the world
+    for block in model.blocks:
+        minidp.fully_shard(block, mesh=mesh)
+    minidp.fully_shard(model, mesh=mesh)             # the root: the parameters left over
+    opt = torch.optim.AdamW(model.parameters())      # built after: it steps the DTensor shards
+
+After it, the module's parameters are DTensors sharded on dim 0 (FSDP2's layout, padding included),
+and the module has FSDP2's methods unshard(), reshard(), set_requires_gradient_sync(),
+set_reshard_after_forward() and set_reshard_after_backward(), bound to the instance (minidp builds
+no class at runtime; FSDP2 swaps the module's class for an FSDP subclass).
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from minidp.validate import check_bool
+
+from .state import STATE_ATTRIBUTE, ModuleState, state_of
+from .unit import Unit
+
+NO_CASTS = MixedPrecisionPolicy()  # the default policy: compute, gather and reduce in fp32
+
+
+def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | None = True,
+                mp_policy: MixedPrecisionPolicy = NO_CASTS) -> nn.Module:
+    """Shard `module`'s parameters (less those a fully_shard below it shards); returns `module`.
+
+    Args:
+        module: a module with a forward (not a bare ModuleList/ModuleDict, as FSDP2).
+        mesh: a 1-D DeviceMesh (default None: every rank of the default process group, on the
+            accelerator if there is one, else on the CPU).
+        reshard_after_forward: free the gathered parameters after forward and gather them again in
+            backward (default True; False keeps them until the end of backward; None: True except
+            for the root, as FSDP2).
+        mp_policy: torch's MixedPrecisionPolicy; only the default (no casts) is implemented here.
+    """
+    _check(module, mesh, reshard_after_forward, mp_policy)
+    mesh = mesh if mesh is not None else _default_mesh()
+    if mesh.ndim != 1:
+        raise NotImplementedError(f"minidp.fully_shard takes a 1-D mesh; got mesh.ndim={mesh.ndim} "
+                                  "(FSDP2's HSDP, a 2-D mesh, is not built in minidp)")
+    device = torch.device("cpu") if mesh.device_type == "cpu" else \
+        torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+    managed = _managed_modules(module)
+    params = _managed_params(managed)
+    for m in managed:  # buffers go where the parameters go (FSDP2 moves them too)
+        for name, buf in m._buffers.items():
+            if buf is not None and buf.device != device:
+                m._buffers[name] = buf.to(device)
+    unit = Unit(params, mesh, device, reshard_after_forward is not False) if params else None
+    module.__dict__[STATE_ATTRIBUTE] = ModuleState(module, unit, reshard_after_forward is None)
+    for name, method in _METHODS.items():
+        setattr(module, name, types.MethodType(method, module))
+    return module
+
+
+def _check(module, mesh, reshard_after_forward, mp_policy) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"minidp.fully_shard takes one nn.Module; got {type(module).__name__} "
+                        "(FSDP2's list of modules, one unit for several, is not built in minidp)")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and \
+            type(module).forward is nn.Module.forward:
+        raise ValueError(f"fully_shard does not support containers that do not implement forward: "
+                         f"{module}")
+    if state_of(module) is not None:
+        raise AssertionError("Each distinct composable distributed API can only be applied to a "
+                             "module once. fully_shard has already been applied to the following "
+                             f"module: {module}")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh={mesh!r} must be a torch.distributed.device_mesh.DeviceMesh or None")
+    if reshard_after_forward is not None:
+        check_bool("reshard_after_forward", reshard_after_forward)
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy={mp_policy!r} must be a torch.distributed.fsdp."
+                        "MixedPrecisionPolicy")
+    if mp_policy != NO_CASTS:
+        raise NotImplementedError(f"mp_policy={mp_policy}: mixed precision is not built in "
+                                  "minidp.fully_shard yet; leave the default")
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError("minidp.fully_shard needs a process group: call minidp.init() (or "
+                           "torch.distributed.init_process_group()) first, or pass mesh=")
+    accelerator = torch.accelerator.current_accelerator()
+    device_type = accelerator.type if accelerator is not None else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _managed_modules(root: nn.Module) -> list:
+    """The modules whose parameters this call shards: `root`'s subtree minus fully_shard'ed
+    subtrees, each module after its children (FSDP2's order, which is the flat buffers' order)."""
+    modules, seen = [], set()
+
+    def visit(module):
+        if module is not root and state_of(module) is not None:
+            return
+        seen.add(module)
+        for child in module.children():
+            if child not in seen:
+                visit(child)
+        modules.append(module)
+
+    visit(root)
+    return modules
+
+
+def _managed_params(modules: list) -> list:
+    """[(parameter, [(module, name), ...]), ...]: each parameter once, with every name it has."""
+    places: dict = {}
+    for module in modules:
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if param.dim() == 0:
+                raise ValueError("fully_shard doesn't support scalar parameters. "
+                                 f"Change {name} to a 1D tensor with numel equal to 1.")
+            places.setdefault(param, []).append((module, name))
+    return list(places.items())
+
+
+def _states(module: nn.Module, recurse: bool) -> list:
+    modules = module.modules() if recurse else [module]
+    return [s for s in map(state_of, modules) if s is not None]
+
+
+def unshard(self: nn.Module, async_op: bool = False):
+    """Gather this module's parameters now (not recursive). The gather is synchronous: with
+    async_op=True the returned handle's wait() has nothing left to wait for."""
+    unit = state_of(self).unit
+    if unit is not None:
+        unit.unshard()  # ranks meet here
+    return _Done() if async_op else None
+
+
+def reshard(self: nn.Module) -> None:
+    """Free this module's gathered parameters and put the shards back (not recursive)."""
+    unit = state_of(self).unit
+    if unit is not None:
+        unit.reshard()
+
+
+def set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool, *,
+                               recurse: bool = True) -> None:
+    """False: backward keeps the full gradients on the gathered parameters, with no reduce-scatter
+    (gradient accumulation); the next backward with True reduces the sum."""
+    for state in _states(self, recurse):
+        if state.unit is not None:
+            state.unit.requires_gradient_sync = requires_gradient_sync
+
+
+def set_reshard_after_forward(self: nn.Module, reshard_after_forward: bool,
+                              recurse: bool = True) -> None:
+    """Change reshard_after_forward at runtime (for this module and, by default, those below)."""
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError("reshard_after_forward should be a bool, got "
+                         f"{type(reshard_after_forward)}")
+    for state in _states(self, recurse):
+        state.auto_reshard = False
+        if state.unit is not None:
+            state.unit.reshard_after_forward = reshard_after_forward
+
+
+def set_reshard_after_backward(self: nn.Module, reshard_after_backward: bool, *,
+                               recurse: bool = True) -> None:
+    """False: keep the gathered parameters after backward (no gather before the next forward)."""
+    for state in _states(self, recurse):
+        if state.unit is not None:
+            state.unit.reshard_after_backward = reshard_after_backward
+
+
+class _Done:
+    """The handle unshard(async_op=True) returns: the gather has already happened."""
+
+    def wait(self) -> None:
+        pass
+
+
+_METHODS = {f.__name__: f for f in (unshard, reshard, set_requires_gradient_sync,
+                                    set_reshard_after_forward, set_reshard_after_backward)}

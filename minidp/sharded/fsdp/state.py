@@ -1,0 +1,124 @@
+"""The hooks fully_shard puts on a module, and the root that closes each backward.
+
+Each fully_shard call gives its module a ModuleState (FSDP2's FSDPState) and two forward hooks:
+the pre-hook runs the unit's pre_forward (gather), the post-hook its post_forward (free) and puts a
+gradient hook on the outputs that is the unit's pre_backward (gather again). The first module whose
+forward runs is the root: it finds the states below it and shares one Step with them. At the first
+pre_backward of a backward, the Step queues a callback at the end of the autograd run (the
+engine's queue_callback, as minidp.DDP's reducer does), where units whose inputs needed no gradient
+(the first block, fed with data; the root) run their post_backward, and every state goes IDLE.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from .unit import Phase, Unit
+
+STATE_ATTRIBUTE = "_minidp_fully_shard"  # where a module keeps its ModuleState
+
+
+def state_of(module: nn.Module) -> ModuleState | None:
+    """The ModuleState fully_shard gave `module`, or None."""
+    return module.__dict__.get(STATE_ATTRIBUTE)
+
+
+class Step:
+    """What a root shares with the states below it: who they are, and this step's progress."""
+
+    def __init__(self, states: list):
+        self.states = states  # the root first, then the others in named_modules() order
+        self.forward_root: ModuleState | None = None  # the outermost forward now running
+        self.callback_queued = False
+
+    def end_backward(self) -> None:
+        """At the end of autograd's run: post_backward where autograd did not call it; reset."""
+        for state in self.states:
+            unit = state.unit
+            if unit is not None:
+                if unit.phase != Phase.POST_BACKWARD:
+                    unit.post_backward()  # ranks meet here (its reduce-scatter)
+                unit.phase = Phase.IDLE
+            state.phase = Phase.IDLE
+        self.callback_queued = False
+
+
+class ModuleState:
+    """One fully_shard call: its module, its unit (None when it manages no parameters), its hooks.
+
+    Args:
+        module: the module fully_shard was applied to.
+        unit: its parameters, or None.
+        auto_reshard: reshard_after_forward was None: True, except for the root (FSDP2's rule: the
+            root's parameters would be gathered again at once for backward).
+    """
+
+    def __init__(self, module: nn.Module, unit: Unit | None, auto_reshard: bool):
+        self.module, self.unit, self.auto_reshard = module, unit, auto_reshard
+        self.is_root: bool | None = None  # decided at the first forward
+        self.step: Step | None = None
+        self.phase = Phase.IDLE
+        module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self.post_forward)
+
+    def _lazy_init(self) -> None:
+        """At the first forward through this module: become the root of the states below it."""
+        if self.is_root is not None:
+            return
+        self.is_root = True
+        states = []
+        for name, module in self.module.named_modules():
+            state = state_of(module)
+            if state is None:
+                continue
+            if state is not self:
+                if state.is_root is not None:
+                    raise RuntimeError(f"fully_shard state has already been lazily initialized for "
+                                       f"{name}\nfully_shard requires running forward through the "
+                                       "root module first")
+                state.is_root = False
+            states.append(state)
+        step = Step(states)
+        for state in states:
+            state.step = step
+        if self.auto_reshard and self.unit is not None:
+            self.unit.reshard_after_forward = False
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.phase == Phase.PRE_BACKWARD:  # activation checkpointing: forward again in backward
+            if self.unit is not None:
+                self.unit.unshard()
+            return args, kwargs
+        self.phase = Phase.FORWARD
+        self._lazy_init()
+        if self.step.forward_root is None:
+            self.step.forward_root = self
+        if self.unit is not None:
+            args, kwargs = self.unit.pre_forward(args, kwargs)  # ranks meet here (all-gather)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: tuple, output):
+        if self.phase == Phase.PRE_BACKWARD:
+            return output
+        if self.unit is not None:
+            self.unit.post_forward()
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self.pre_backward)
+        self.phase = Phase.IDLE
+        if self.step.forward_root is self:
+            self.step.forward_root = None
+        return output
+
+    def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        """Gradient hook on the outputs: the unit's backward is about to run."""
+        self.phase = Phase.PRE_BACKWARD
+        if not self.step.callback_queued:
+            self.step.callback_queued = True
+            Variable._execution_engine.queue_callback(self.step.end_backward)
+        if self.unit is not None:
+            self.unit.pre_backward()  # ranks meet here (all-gather, if it was freed)
+        return grad

@@ -1,0 +1,126 @@
+"""A unit: the parameters one fully_shard call manages, gathered and reduced together.
+
+The life of a unit in one training step (FSDP2's FSDPParamGroup):
+  pre_forward    all-gather the parameters (one collective), put the gathered ones in the modules,
+                 and mark the unit's inputs so that autograd calls post_backward when the gradients
+                 of those inputs are computed, i.e. when the unit's own backward is done
+  post_forward   reshard_after_forward=True: put the shards back, free the gathered memory (ZeRO-3);
+                 False: keep them gathered for backward (ZeRO-2, SHARD_GRAD_OP)
+  pre_backward   gather again if they were freed (hooked on the unit's outputs)
+  post_backward  take the full gradients, reshard, reduce-scatter (one collective): each rank keeps
+                 the averaged gradient of its rows as the DTensor parameter's .grad
+"""
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .collectives import all_gather_unit, reduce_scatter_unit
+from .sharded_param import ShardedParam
+
+
+class Phase(Enum):
+    """Where a unit (or a module's state) is in the step."""
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+class Unit:
+    """The parameters of one fully_shard call and their collectives.
+
+    Args:
+        params: [(parameter, [(module, name), ...]), ...] in FSDP2's order (modules after their
+            children, parameters in registration order): the flat buffers' layout.
+        mesh: a 1-D DeviceMesh; its process group runs the collectives.
+        device: where the shards live.
+        reshard_after_forward: free the gathered parameters after forward (fully_shard's default).
+    """
+
+    def __init__(self, params: list, mesh, device: torch.device, reshard_after_forward: bool):
+        self.params = [ShardedParam(p, places, mesh, device) for p, places in params]
+        self.group, self.world, self.rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.phase = Phase.IDLE
+        self.is_unsharded = False
+
+    def unshard(self) -> None:
+        """All-gather the parameters, put the gathered ones in the modules (no-op if they are)."""
+        if self.is_unsharded:
+            return
+        all_gather_unit(self.params, self.group, self.rank, self.world)  # ranks meet here
+        for p in self.params:
+            p.to_unsharded()
+        self.is_unsharded = True
+
+    def reshard(self) -> None:
+        """Put the shards back in the modules and free the gathered parameters' memory."""
+        for p in self.params:
+            p.to_sharded()
+        self.is_unsharded = False
+
+    def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.phase = Phase.FORWARD
+        self.unshard()
+        return self._hook_inputs(args, kwargs)
+
+    def post_forward(self) -> None:
+        if self.reshard_after_forward:
+            self.reshard()
+        self.phase = Phase.IDLE
+
+    def pre_backward(self) -> None:
+        if self.phase == Phase.PRE_BACKWARD:
+            return  # one of several outputs already did it
+        self.phase = Phase.PRE_BACKWARD
+        self.unshard()
+
+    def post_backward(self) -> None:
+        """Reshard and reduce-scatter the gradients; idempotent within one backward."""
+        self.phase = Phase.POST_BACKWARD
+        if not self.requires_gradient_sync:  # accumulate: full grads stay on the gathered params
+            if self.reshard_after_backward:
+                self.reshard()
+            return
+        with_grad, grads = [], []
+        for p in self.params:
+            grad = p.take_grad()
+            if grad is not None:  # unused in this step: no gradient, as in FSDP2
+                with_grad.append(p)
+                grads.append(grad)
+        if self.reshard_after_backward:
+            self.reshard()
+        if grads:
+            reduce_scatter_unit(with_grad, grads, self.group, self.world)  # ranks meet here
+
+    def _hook_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Pass the inputs that require grad through PostBackward (its backward: post_backward)."""
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        leaves, spec = tree_flatten((args, kwargs))
+        index = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not index:  # e.g. the first unit: its inputs are data; the root's final callback runs it
+            return args, kwargs
+        outs = PostBackward.apply(self, *[leaves[i] for i in index])
+        for i, out in zip(index, outs):
+            leaves[i] = out
+        return tree_unflatten(leaves, spec)
+
+
+class PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs when all the unit's gradients are computed."""
+
+    @staticmethod
+    def forward(ctx, unit: Unit, *inputs: torch.Tensor):
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.unit.post_backward()
+        return (None,) + grads
