@@ -220,8 +220,13 @@ def _bad_arguments():
         out[what] = (late[minidp.ZeroRedundancyOptimizer][i], late[TorchZero][i])
     out["optimizer_class not callable"] = (error_of(minidp.ZeroRedundancyOptimizer, [p], "sgd", lr=0.1),
                                            error_of(TorchZero, [p], "sgd", lr=0.1))
-    out["overlap_with_ddp"] = (error_of(minidp.ZeroRedundancyOptimizer, [p], torch.optim.SGD, overlap_with_ddp=True,
-                                        lr=0.1), None)
+    # overlap_with_ddp=True: a functional optimizer is accepted (it is turned into its torch.optim class);
+    # more than one group fails at construction (torch: in the third backward, with the same sentence)
+    out["overlap, functional optimizer"] = (error_of(minidp.ZeroRedundancyOptimizer, [p], _FunctionalSGD,
+                                                     overlap_with_ddp=True, lr=0.1), None)
+    two_groups = [{"params": [p]}, {"params": [nn.Linear(2, 2).weight]}]
+    out["overlap, two groups"] = (error_of(minidp.ZeroRedundancyOptimizer, two_groups, torch.optim.SGD,
+                                           overlap_with_ddp=True, lr=0.1), None)
     return out
 
 
@@ -348,8 +353,11 @@ def test_checkpoint_moves_between_torch_and_minidp(ranks, direction):
 def test_bad_arguments_raise_torchs_errors(ranks):
     errors = ranks[0]["errors"]
     for case, (mine, theirs) in errors.items():
-        if case == "overlap_with_ddp":
-            assert mine[0] == "NotImplementedError" and "overlap_with_ddp" in mine[1]
+        if case == "overlap, two groups":
+            assert mine[0] == "RuntimeError" and "only supports a single parameter group" in mine[1], mine
+            assert "got 2 parameter groups" in mine[1], mine
+        elif case == "overlap, functional optimizer":
+            assert mine is None
         elif case == "optimizer_class not callable":
             assert mine[0] == theirs[0] == "TypeError" and "optimizer_class='sgd'" in mine[1]
         else:

@@ -83,6 +83,13 @@ class TorchCompat:
         cap = self.reducer.layout.cap
         return int((25 if cap is None else cap) * 1024 * 1024)
 
+    @property
+    def _has_rebuilt_buckets(self) -> bool:
+        """Whether the buckets were rebuilt in gradient-ready order (torch DDP's attribute: True from the
+        second synced forward; never with find_unused_parameters=True). ZeRO's overlap hooks read it."""
+        layout = self.reducer.layout
+        return bool(layout.needs_rebuild and not layout.rebuild_pending)
+
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore) -> None:
         """Mark parameters and buffers (by qualified name) that DDP neither broadcasts nor averages.

@@ -48,7 +48,7 @@ class RuntimeSamples:
         skipped = getattr(reducer.readiness, "skipped_buckets", 0)  # skip_unused.py
         first_static = ddp.static_graph and iteration == 1  # torch counts none in that iteration
         self.sample = {"iteration": iteration,
-                       "has_rebuilt_buckets": int(layout.needs_rebuild and not layout.rebuild_pending),
+                       "has_rebuilt_buckets": int(ddp._has_rebuilt_buckets),
                        "num_buckets_reduced": 0 if first_static else len(layout.plan) - skipped}
         if self.sample["has_rebuilt_buckets"]:
             self.sample["rebuilt_bucket_sizes"] = bucket_sizes(reducer, layout.plan)

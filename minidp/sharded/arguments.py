@@ -5,6 +5,7 @@ input and compares), so a script that catches them behaves the same under either
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -59,23 +60,31 @@ def check_same_dense_type(params: list) -> None:
                              f"parameters but got both {first} and {other}")
 
 
-def check_optimizer_class(optimizer_class: Any) -> None:
-    """TypeError unless `optimizer_class` can be called; ValueError for torch's functional optimizers.
+def check_optimizer_class(optimizer_class: Any, overlap_with_ddp: bool) -> Any:
+    """The optimizer class to build the local optimizer from, after torch's checks.
 
-    Functional optimizers (torch.distributed.optim.functional_*) take gradients as step() arguments:
-    torch accepts them only for overlap_with_ddp=True. Recognised by module name, so that minidp
-    does not import torch.distributed.optim (which would load torch's ZeroRedundancyOptimizer).
+    TypeError unless it can be called. Functional optimizers (torch.distributed.optim.functional_*,
+    whose step takes the gradients as arguments): ValueError unless overlap_with_ddp=True, where
+    torch turns torch.optim classes into them; minidp steps a plain torch.optim optimizer in both
+    modes (overlap.py), so it turns a functional one back into its torch.optim class (the same
+    arithmetic). Recognised by module and class name, so that minidp does not import
+    torch.distributed.optim (which would load torch's ZeroRedundancyOptimizer).
     """
     if getattr(optimizer_class, "__module__", "").startswith("torch.distributed.optim.functional_"):
-        raise ValueError(f"Passing in a functional optimizer {optimizer_class} when `overlap_with_ddp=False`")
+        if not overlap_with_ddp:
+            raise ValueError(f"Passing in a functional optimizer {optimizer_class} when `overlap_with_ddp=False`")
+        return getattr(torch.optim, optimizer_class.__name__.removeprefix("_Functional"))
     if not callable(optimizer_class):
         raise TypeError(f"optimizer_class={optimizer_class!r} must be an optimizer class, e.g. torch.optim.SGD")
+    return optimizer_class
 
 
-def check_overlap(overlap_with_ddp: Any) -> None:
-    """NotImplementedError for overlap_with_ddp=True: the step inside backward is not written yet."""
-    if overlap_with_ddp:
-        raise NotImplementedError(
-            "overlap_with_ddp=True (the optimizer step inside DDP's backward, torch's hook_with_zero_step) "
-            "is not implemented in minidp.ZeroRedundancyOptimizer yet: pass overlap_with_ddp=False and call "
-            "step() after backward")
+def check_overlap(param_groups: list[dict], parameters_as_bucket_view: bool) -> None:
+    """overlap_with_ddp=True: one parameter group (torch's RuntimeError, raised here at construction
+    rather than in the third backward); parameters_as_bucket_view is ignored, with torch's warning."""
+    if len(param_groups) != 1:
+        raise RuntimeError(f"Specifying `params_per_rank` only supports a single parameter group (minidp: "
+                           f"overlap_with_ddp=True partitions DDP's buckets; got {len(param_groups)} parameter groups)")
+    if parameters_as_bucket_view:
+        warnings.warn("`parameters_as_bucket_view=True` will be ignored since `overlap_with_ddp=True`; instead, a "
+                      "different bucketing strategy will be used", stacklevel=3)

@@ -14,6 +14,8 @@ Example:
 """
 from __future__ import annotations
 
+import inspect
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -23,7 +25,7 @@ from torch.optim import Optimizer
 
 from ..engine.collectives import global_rank
 from ..validate import check_bool, check_int
-from . import arguments, flat_params, partition, state_dicts
+from . import arguments, flat_params, overlap, partition, state_dicts
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -40,8 +42,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         parameters_as_bucket_view: if True, each rank's shard lives in one flat buffer per device
             (parameters become views into it) and the step ends with one broadcast per rank and
             device instead of one per parameter. Default False.
-        overlap_with_ddp: the step inside DDP's backward. Default False; True raises
-            NotImplementedError (not written yet).
+        overlap_with_ddp: if True, the step runs inside DDP's backward, driven by the comm hook
+            hook_with_zero_step (overlap.py); the loop calls no step(). The partition is by DDP
+            bucket and is made in the third step; the first two do not update (as torch's).
+            Default False.
         **defaults: the local optimizer's keyword arguments (lr=..., weight_decay=...).
     """
 
@@ -51,8 +55,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.initialized = False  # Optimizer.__init__ calls add_param_group: no partition yet
         Optimizer.__init__(self, params, defaults)
         Joinable.__init__(self)
-        arguments.check_overlap(overlap_with_ddp)
-        arguments.check_optimizer_class(optimizer_class)
+        self._overlap_with_ddp = check_bool("overlap_with_ddp", overlap_with_ddp)
+        optimizer_class = arguments.check_optimizer_class(optimizer_class, self._overlap_with_ddp)
         self.parameters_as_bucket_view = check_bool("parameters_as_bucket_view", parameters_as_bucket_view)
         self.process_group = dist.group.WORLD if process_group is None else process_group
         self.world_size = dist.get_world_size(self.process_group)
@@ -61,16 +65,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # where checkpoint bytes travel (a CUDA device under NCCL)
         self._default_device = next(p for g in self.param_groups for p in g["params"]).device
         self._optim_defaults = defaults
-        # Every rank computes every rank's shard: the broadcasts need to know what each rank sends.
-        self._partition = partition.partition_parameters(self.param_groups, self.world_size)
-        # A list of group dicts (empty groups included) skips Optimizer's empty-parameter-list check:
-        # a rank may own nothing of a group, or nothing at all when there are more ranks than tensors.
-        self.optim = optimizer_class(self._partition[self.rank], **defaults)
-        # the local optimizer filled in its defaults (momentum=0, betas, ...): show them in param_groups
-        self._sync_param_groups(self.optim.param_groups, self.param_groups)
         self._trainable = self._trainable_mask()
         self._buffers: list[list[torch.Tensor]] = []
-        self._build_buffers()
+        if self._overlap_with_ddp:  # partition and local optimizer wait for DDP's buckets
+            arguments.check_overlap(self.param_groups, parameters_as_bucket_view)
+            self._optimizer_class = optimizer_class
+            self._overlap = overlap.Overlap(self.world_size)
+        else:
+            # Every rank computes every rank's shard: the broadcasts need to know what each rank sends.
+            self._partition = partition.partition_parameters(self.param_groups, self.world_size)
+            # A list of group dicts (empty groups included) skips Optimizer's empty-list check: a rank
+            # may own nothing of a group, or nothing at all when there are more ranks than tensors.
+            self.optim = optimizer_class(self._partition[self.rank], **defaults)
+            # the local optimizer filled in its defaults (momentum=0, betas, ...): show them here
+            self._sync_param_groups(self.optim.param_groups, self.param_groups)
+            self._build_buffers()
         self._all_state_dicts: list[dict] = []  # filled on the `to` rank by consolidate_state_dict
         self.initialized = True
 
@@ -87,6 +96,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Returns:
             The local optimizer's return value (the closure's loss, if any).
         """
+        if self._overlap_with_ddp:  # the hook stepped already, inside backward
+            warnings.warn("`step()` should not be included in the training loop when `overlap_with_ddp=True`",
+                          stacklevel=2)
+            return None
         Join.notify_join_context(self)  # under Join(): ranks still training shadow a joined rank's step
         loss = self._local_step(closure, **kwargs)
         self._broadcast_shards()
@@ -97,11 +110,50 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             # requires_grad changed since the buffers were built: a frozen parameter leaves its buffer
             self._build_buffers()
             self._trainable = self._trainable_mask()
+        return self._step_local_optimizer(closure, **kwargs)
+
+    def _step_local_optimizer(self, closure=None, **kwargs):
         # An LR scheduler changes `param_groups`: the local optimizer must see the new values.
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
         loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
         self._sync_param_groups(self.optim.param_groups, self.param_groups)
         return loss
+
+    # -- overlap_with_ddp: called by overlap.py's hook --------------------------------------------
+
+    def _init_for_overlap(self, params_per_rank: list[list[torch.Tensor]]) -> None:
+        """The partition by DDP bucket (overlap.assign_buckets) and the local optimizer over ours."""
+        known = set(self.param_groups[0]["params"])
+        if any(p not in known for params in params_per_rank for p in params):
+            raise ValueError("Passing a new parameter in `params_per_rank` that was not passed into the "
+                             "ZeroRedundancyOptimizer constructor")
+        self._partition = [[dict(self.param_groups[0], params=params)] for params in params_per_rank]
+        defaults = dict(self._optim_defaults)
+        if "foreach" in inspect.signature(self._optimizer_class).parameters:
+            defaults.setdefault("foreach", False)  # torch's functional optimizers' arithmetic
+        self.optim = self._optimizer_class(self._partition[self.rank], **defaults)
+        self._sync_param_groups(self.optim.param_groups, self.param_groups)
+
+    def _step_params(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Step only `params`, with `grads` (views of DDP's bucket): the others' .grad is None meanwhile.
+
+        An optimizer skips a parameter whose .grad is None (no state change): this is the step of a
+        torch functional optimizer given None for the other parameters. The .grads are restored.
+        """
+        if self._trainable_mask() != self._trainable:
+            raise RuntimeError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` does not support changing "
+                               "parameter trainability at run time")
+        local = partition.shard_params(self._partition, self.rank)
+        kept = [p.grad for p in local]
+        for p in local:
+            p.grad = None
+        for p, grad in zip(params, grads):
+            p.grad = grad
+        try:
+            self._step_local_optimizer()
+        finally:
+            for p, grad in zip(local, kept):
+                p.grad = grad
 
     def _broadcast_shards(self) -> None:
         """Every rank broadcasts what it stepped; all are started, then all are waited for.
@@ -136,6 +188,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Args:
             param_group: a dict with "params" and optional hyperparameters, as for any optimizer.
         """
+        if self.initialized and self._overlap_with_ddp:
+            raise RuntimeError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a single "
+                               "parameter group")
         super().add_param_group(param_group)
         if not self.initialized:
             return  # called by Optimizer.__init__ for the constructor's groups
@@ -156,7 +211,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return [p.requires_grad for g in self.param_groups for p in g["params"]]
 
     def _build_buffers(self) -> None:
-        if self.parameters_as_bucket_view:
+        if self.parameters_as_bucket_view and not self._overlap_with_ddp:
             self._buffers = flat_params.build_buffers(self._partition)
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -168,6 +223,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             to: the group rank that receives the states (default 0).
         """
         to = check_int("to", to, 0, self.world_size - 1)
+        self._check_overlap_initialized()
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
         self._all_state_dicts = state_dicts.gather_on(self.optim.state_dict(), to, self.process_group,
                                                       self._default_device)
@@ -178,6 +234,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         The format is a plain optimizer's over all the parameters ("state" numbered in group order,
         "param_groups" with indices), which torch's ZeroRedundancyOptimizer also writes and reads.
         """
+        self._check_overlap_initialized()
         if not self._all_state_dicts:
             raise RuntimeError("Optimizer state has not been consolidated on this rank. Please call "
                                f"`consolidate_state_dict(to={self.rank})` on all ranks beforehand if you meant to "
@@ -191,6 +248,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             state_dict: what state_dict() returned (on any world size: the numbering is global).
                 It is not changed; the states loaded are copies.
         """
+        self._check_overlap_initialized()
         # The base class checks the groups match (count and sizes) and takes their hyperparameters;
         # it gets no "state": the wrapper keeps none, the local optimizer does.
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
@@ -199,6 +257,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for param, value in loaded.items():
             self.optim.state[param] = value
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
+
+    def _check_overlap_initialized(self) -> None:
+        if self._overlap_with_ddp and self._overlap.status != overlap.READY:
+            raise RuntimeError("This method should not be called until this ZeroRedundancyOptimizer instance has "
+                               "been fully initialized")
 
     # -- Join (uneven inputs) -------------------------------------------------------------------
 
