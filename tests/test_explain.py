@@ -21,7 +21,24 @@ def test_module_factory_find_unused_no_rebuild(tmp_path):
     assert "DDP does not rebuild either" in format_report(report)
 
 
+def test_zero_overlap_shows_each_bucket_stepped_inside_backward(tmp_path):
+    """--zero-overlap: rank 0 steps buckets 0, 2, ... (bucket i is rank i % 2's) before backward() returns;
+    the trace has the ZeRO lanes (both ranks' broadcasts)."""
+    with workers_forked():
+        report = explain("models:MLP", world_size=2, input_shape=(8,), bucket_cap_mb=0.001, steps=3,
+                         out_dir=str(tmp_path), progress=lambda text: None, zero_overlap=True)
+    last = report["phases"][1]
+    stepped = [b["index"] for b in last["buckets"] if b["zero_step_ms"] is not None]
+    assert len(last["buckets"]) >= 2 and stepped == list(range(0, len(last["buckets"]), 2))
+    assert all(last["backward_ms"] <= b["zero_step_ms"] <= last["returned_ms"] for b in last["buckets"]
+               if b["zero_step_ms"] is not None)  # in the last bucket's hook, at the end of backward
+    assert "ZeRO step" in format_report(report)
+    trace = open(report["files"]["trace"]).read()
+    assert '"ZeRO: broadcasts"' in trace and '"broadcast bucket 1 from rank 1"' in trace
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["models:MLP", "--input-shape", "8", "--zero-overlap", "--steps", "2"], "needs 3 steps or more"),
     (["resnet1800"], "'resnet1800' is not a torchvision model. Did you mean resnet18"),
     (["resnet18", "--world-size", "0"], "--world-size=0 must be >= 1"),
     (["resnet18", "--input-shape", "3,a"], "--input-shape='3,a' must be positive integers"),

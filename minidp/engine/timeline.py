@@ -7,7 +7,9 @@ on Linux: one clock for every process on a machine).
 
 Kinds the reducer records: "grad_ready" (param, bucket), "launch" (bucket), "done" (bucket, from
 the thread that completes the communication), "backward_end", "finalize_end". A training loop may
-add its own with `record()`: "forward_start", "backward_start" and "step_end" are drawn too.
+add its own with `record()`: "forward_start", "backward_start" and "step_end" are drawn too, and so
+are spans of any lane: "begin" and "end" with the same lane= and name= (ZeRO's step inside
+backward records its steps and broadcasts so, minidp/sharded/overlap.py).
 
 On CUDA, "done" is when the host saw the future complete, and an NCCL future completes when the
 all-reduce is *enqueued*: its launch -> done span says nothing about the GPU. So watch(device=...)
@@ -42,7 +44,7 @@ import torch
 STEP_SPANS = (("forward", "forward_start", "backward_start"), ("backward", "backward_start", "backward_end"),
               ("finalize (wait + write back)", "backward_end", "finalize_end"),
               ("optimizer", "finalize_end", "step_end"))
-STEP_TID, GRADS_TID, BUCKET_TID0, GPU_TID0 = 0, 1, 10, 10_000
+STEP_TID, GRADS_TID, BUCKET_TID0, GPU_TID0, LANE_TID0 = 0, 1, 10, 10_000, 20_000
 HOST_LANE, GPU_LANE = "host: launch -> future done", "GPU time of the collective"
 
 
@@ -229,6 +231,18 @@ def step_spans(events):
     return [(name, first[a], first[b]) for name, a, b in STEP_SPANS if a in first and b in first]
 
 
+def named_spans(events) -> list[tuple[str, str, int, int]]:
+    """(lane, name, start, end) of each "begin" paired with the next "end" of the same lane and name."""
+    open_spans, spans = {}, []
+    for kind, stamp, fields in sorted(events, key=lambda e: e[1]):
+        key = (fields.get("lane", ""), fields.get("name", ""))
+        if kind == "begin":
+            open_spans.setdefault(key, []).append(stamp)
+        elif kind == "end" and open_spans.get(key):
+            spans.append((*key, open_spans[key].pop(0), stamp))
+    return spans
+
+
 def trace_events(events, pid: int = 0, t0_ns: int | None = None) -> list[dict]:
     """Chrome trace events: "X" spans (ts/dur in microseconds) per lane, "i" marks per gradient."""
     t0 = min((e[1] for e in events), default=0) if t0_ns is None else t0_ns
@@ -244,6 +258,13 @@ def trace_events(events, pid: int = 0, t0_ns: int | None = None) -> list[dict]:
                         "ts": us(stamp), "args": {"bucket": fields.get("bucket")}})
     for span in bucket_spans(events):
         out += _bucket_lanes(span, pid, us)
+    lanes: dict[str, int] = {}
+    for lane, name, start, end in named_spans(events):
+        if lane not in lanes:
+            lanes[lane] = LANE_TID0 + len(lanes)
+            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": lanes[lane], "args": {"name": lane}})
+        out.append({"ph": "X", "name": name, "pid": pid, "tid": lanes[lane], "ts": us(start),
+                    "dur": us(end) - us(start)})
     return out
 
 

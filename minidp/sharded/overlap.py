@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ..engine.collectives import global_rank
 from . import flat_params
 
+STEP_LANE, BROADCAST_LANE = "ZeRO: step (own buckets)", "ZeRO: broadcasts"
 WAITING, RECORDING, READY = "waiting for DDP to rebuild its buckets", "recording the buckets", "ready"
 
 
@@ -177,18 +178,18 @@ def step_and_broadcast(zero, overlap: Overlap, timeline=None) -> None:
         if mine is not None:
             bucket, future = overlap.futures[b]
             future.wait()  # the bucket's gradients are averaged from here on
-            record(timeline, "begin", f"step bucket {b}")
+            record(timeline, "begin", STEP_LANE, f"step bucket {b}")
             grads = bucket.gradients()[mine.offset:mine.offset + len(mine.params)]
             zero._step_params(mine.params, grads)
-            record(timeline, "end", f"step bucket {b}")
+            record(timeline, "end", STEP_LANE, f"step bucket {b}")
         for owner in owners:  # ranks meet here: `owner` sends its part of bucket b, the others receive
             flat = overlap.assignments[owner][b].flat
+            name = f"broadcast bucket {b} from rank {owner}"
+            record(timeline, "begin", BROADCAST_LANE, name)
             work = dist.broadcast(flat, src=global_rank(group, owner), group=group, async_op=True)
             handles.append(work)
             if timeline is not None:
-                name = f"broadcast bucket {b} from rank {owner}"
-                record(timeline, "begin", name)
-                work.get_future().add_done_callback(lambda _, name=name: record(timeline, "end", name))
+                work.get_future().add_done_callback(lambda _, n=name: record(timeline, "end", BROADCAST_LANE, n))
     for work in handles:
         work.wait()
     overlap.futures.clear()
@@ -199,7 +200,7 @@ def timeline_of(ddp):
     return getattr(getattr(getattr(ddp, "reducer", None), "recorder", None), "timeline", None)
 
 
-def record(timeline, kind: str, name: str) -> None:
-    """A span's "begin" or "end" on the timeline's "ZeRO step" lane (drawn by timeline.trace_events)."""
+def record(timeline, kind: str, lane: str, name: str) -> None:
+    """A span's "begin" or "end" in a lane of the timeline (drawn by trace_events and plot_timelines)."""
     if timeline is not None:
-        timeline.record(kind, lane="ZeRO step in backward", name=name)
+        timeline.record(kind, lane=lane, name=name)

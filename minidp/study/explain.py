@@ -2,6 +2,7 @@
 
     python -m minidp.explain resnet18 --world-size 2 --input-shape 3,32,32
     python -m minidp.explain mypkg.models:make_net --input-shape 128 --bucket-cap-mb 5 --json
+    python -m minidp.explain resnet18 --input-shape 3,32,32 --zero-overlap   # ZeRO's step in backward
 
 Runs a few real steps on CPU ranks (gloo), under minidp and then under torch DDP, and prints per
 bucket, at construction and after the rebuild: index, parameters, MiB, first and last parameter,
@@ -20,6 +21,7 @@ import tempfile
 
 import torch
 
+from ..engine.timeline import named_spans
 from ..launcher.spawn import launch
 from ..validate import check_bool, check_int, check_number
 from . import record
@@ -69,7 +71,7 @@ def rank_start_method(threads: int):
 
 def explain(model: str, world_size: int = 2, bucket_cap_mb: float | None = None, batch: int = 8,
             input_shape=None, find_unused: bool = False, steps: int = 3, out_dir: str = ".",
-            progress=None, timeout: float = 600.0) -> dict:
+            progress=None, timeout: float = 600.0, zero_overlap: bool = False) -> dict:
     """Run `steps` steps of `model` on `world_size` CPU ranks under minidp and torch DDP; return the report.
 
     Args:
@@ -83,11 +85,17 @@ def explain(model: str, world_size: int = 2, bucket_cap_mb: float | None = None,
         out_dir: where the PNG, trace and events go. Default ".".
         progress: callable(str) for progress lines. Default: print to stderr.
         timeout: seconds before the ranks are stopped. Default 600.
+        zero_overlap: minidp's run uses ZeroRedundancyOptimizer(overlap_with_ddp=True) with
+            hook_with_zero_step: the report shows when each bucket was stepped and broadcast, inside
+            backward (from step 3: steps must be >= 3). Default False: SGD stepped after backward.
     """
     check_int("world_size", world_size, 1)
     check_int("batch", batch, 1)
     check_int("steps", steps, 2)
     check_bool("find_unused", find_unused)
+    if check_bool("zero_overlap", zero_overlap) and steps < 3:
+        raise ValueError(f"steps={steps}: zero_overlap=True needs 3 steps or more (ZeRO's overlap path updates "
+                         "from the third step, once DDP's buckets are final)")
     if bucket_cap_mb is not None:
         check_number("bucket_cap_mb", bucket_cap_mb, positive=True)
     if input_shape is None and ":" in model:
@@ -97,6 +105,7 @@ def explain(model: str, world_size: int = 2, bucket_cap_mb: float | None = None,
     progress(f"building {model} and trying an input of shape {(batch, *shape)}")
     params = check_model_runs(model, batch, shape)
     cfg = {"model": model, "bucket_cap_mb": bucket_cap_mb, "find_unused": find_unused, "steps": steps,
+           "zero_overlap": zero_overlap,
            "batch": batch, "input_shape": shape, "threads": max(1, (os.cpu_count() or 1) // world_size),
            "timeout": min(timeout, 300.0), "sys_path": [os.getcwd()] + sys.path}
     progress(f"starting {world_size} CPU rank(s): {steps} steps under minidp, then {steps} under torch DDP")
@@ -116,6 +125,7 @@ def summarize(cfg: dict, params: list, world_size: int, rank0: dict) -> dict:
     return {
         "model": cfg["model"], "world_size": world_size, "batch": cfg["batch"], "input_shape": list(cfg["input_shape"]),
         "bucket_cap_mb": cfg["bucket_cap_mb"], "find_unused": cfg["find_unused"],
+        "zero_overlap": cfg["zero_overlap"],
         "parameters": sum(n for _, n, _ in params), "tensors": len(params),
         "mib": sum(b for _, _, b in params) / 2**20,
         "rebuilt": ours["plans"][last] != ours["plans"][0],
@@ -135,8 +145,10 @@ def _phase(name: str, step: int, ours: dict, ddp_step: dict, params: list) -> di
     ms = lambda t: None if t is None else (t - start) / 1e6  # noqa: E731 - a one-line unit conversion
     launch = {f["bucket"]: t for kind, t, f in events if kind == "launch"}
     done = {f["bucket"]: t for kind, t, f in events if kind == "done"}
+    stepped = {int(name.split()[-1]): end for _, name, _, end in named_spans(events) if name.startswith("step")}
     rows = [{"index": b, "params": len(names), "mib": sum(nbytes[n] for n in names) / 2**20,
              "first": names[0], "last": names[-1], "launch_ms": ms(launch.get(b)), "done_ms": ms(done.get(b)),
+             "zero_step_ms": ms(stepped.get(b)),
              "ddp_launch_ms": (ddp_step["launch"][b] - ddp_step["backward_start"]) / 1e6
              if b in ddp_step["launch"] else None}
             for b, names in enumerate(ours["plans"][step])]
@@ -206,11 +218,17 @@ def _format_phase(phase: dict, report: dict) -> list:
     cut = lambda s: s if len(s) <= width else "..." + s[-(width - 3):]  # noqa: E731
     lines.append(f"  {'bucket':>6} {'params':>6} {'MiB':>8}  {'first parameter':<{width}}  "
                  f"{'last parameter':<{width}}  {'launched':>9} {'done':>9} {'DDP launched':>12}")
+    zero = report.get("zero_overlap") and phase["name"] != "construction"
+    if zero:
+        lines[-1] += f" {'ZeRO step':>10}"
     fmt = lambda v: "" if v is None else f"{v:+.1f} ms"  # noqa: E731
     for b in phase["buckets"]:
         lines.append(f"  {b['index']:>6} {b['params']:>6} {b['mib']:>8.2f}  {cut(b['first']):<{width}}  "
                      f"{cut(b['last']):<{width}}  {fmt(b['launch_ms']):>9} {fmt(b['done_ms']):>9} "
-                     f"{fmt(b['ddp_launch_ms']):>12}")
+                     f"{fmt(b['ddp_launch_ms']):>12}" + (f" {fmt(b['zero_step_ms']):>10}" if zero else ""))
+    if zero:
+        lines.append("  ZeRO step: when rank 0 finished stepping its part of the bucket (overlap_with_ddp=True; "
+                     "other ranks step theirs), inside loss.backward(); the timeline's ZeRO lanes show the broadcasts")
     lines.append(f"  times: ms after backward began (rank 0). Backward done at {fmt(phase['backward_ms'])}; "
                  f"loss.backward() returned at {fmt(phase['returned_ms'])} "
                  f"(torch DDP: {fmt(phase['ddp_returned_ms'])})")
@@ -230,11 +248,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="steps per engine, >= 2 (default 3)")
     p.add_argument("--out", default=".", help="folder for the PNG, trace and events (default: .)")
     p.add_argument("--json", action="store_true", help="print the report as JSON (progress stays on stderr)")
+    p.add_argument("--zero-overlap", action="store_true",
+                   help="minidp steps ZeroRedundancyOptimizer inside backward (hook_with_zero_step)")
     args = p.parse_args(argv)
     try:
         shape = parse_shape(args.input_shape) if args.input_shape else None
         report = explain(args.model, args.world_size, args.bucket_cap_mb, args.batch, shape, args.find_unused,
-                         args.steps, args.out)
+                         args.steps, args.out, zero_overlap=args.zero_overlap)
     except (ValueError, TypeError) as e:
         p.error(str(e).replace("world_size=", "--world-size=").replace("bucket_cap_mb=", "--bucket-cap-mb=")
                 .replace("batch=", "--batch=").replace("steps=", "--steps="))

@@ -12,14 +12,15 @@ def plot_timelines(path: str, events_by_rank: dict, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from minidp.engine.timeline import bucket_spans
+    from minidp.engine.timeline import bucket_spans, named_spans
     t0 = min((e[1] for events in events_by_rank.values() for e in events), default=0)
     n_buckets = max((s["bucket"] + 1 for ev in events_by_rank.values() for s in bucket_spans(ev)), default=0)
-    lanes = 2 + n_buckets
+    extra = sorted({lane for ev in events_by_rank.values() for lane, *_ in named_spans(ev)})
+    lanes = 2 + n_buckets + len(extra)
     fig, axes = plt.subplots(len(events_by_rank), 1, sharex=True, squeeze=False,
                              figsize=(10, 0.9 + 0.42 * lanes * len(events_by_rank)))
     for ax, (rank, events) in zip(axes[:, 0], events_by_rank.items()):
-        _draw_rank(ax, events, t0, n_buckets, _bucket_colors(plt, n_buckets))
+        _draw_rank(ax, events, t0, n_buckets, _bucket_colors(plt, n_buckets), extra)
         ax.set_ylabel(f"rank {rank}", fontsize=9)
     axes[-1, 0].set_xlabel("time since the first event, ms")
     axes[0, 0].legend(loc="upper left", fontsize=7, ncol=4, framealpha=0.8)
@@ -36,9 +37,10 @@ def _bucket_colors(plt, n_buckets):
     return lambda b: cmap(0.85 * b / max(1, n_buckets - 1))
 
 
-def _draw_rank(ax, events, t0, n_buckets, color) -> None:
-    """Lanes, top to bottom: step phases, gradients ready (coloured by bucket), bucket 0, 1, ..."""
-    from minidp.engine.timeline import bucket_spans, step_spans
+def _draw_rank(ax, events, t0, n_buckets, color, extra=()) -> None:
+    """Lanes, top to bottom: step phases, gradients ready (coloured by bucket), bucket 0, 1, ...,
+    then the `extra` lanes of begin/end spans (e.g. ZeRO's steps and broadcasts inside backward)."""
+    from minidp.engine.timeline import bucket_spans, named_spans, step_spans
     ms = lambda ns: (ns - t0) / 1e6  # noqa: E731 - a one-line unit conversion
     phase_colors = {"forward": "#c7e9c0", "backward": "#fdd0a2", "optimizer": "#dadaeb"}
     for name, start, end in step_spans(events):
@@ -54,9 +56,12 @@ def _draw_rank(ax, events, t0, n_buckets, color) -> None:
                     color=color(span["bucket"]), edgecolor="black", linewidth=0.3)
         if span["last_ready"] is not None:
             ax.plot([ms(span["last_ready"])], [y], marker=">", color="black", markersize=4)
-    ax.set_yticks(range(2 + n_buckets), ["step", "grads ready"] + [f"bucket {b}" for b in range(n_buckets)],
-                  fontsize=8)
-    ax.set_ylim(1.6 + n_buckets, -0.6)  # first lane on top
+    for lane, _, start, end in named_spans(events):  # spans of one lane may overlap: see-through
+        ax.barh(2 + n_buckets + list(extra).index(lane), ms(end) - ms(start), left=ms(start), height=0.6,
+                color="#6a51a3", alpha=0.45, edgecolor="black", linewidth=0.3)
+    labels = ["step", "grads ready"] + [f"bucket {b}" for b in range(n_buckets)] + list(extra)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylim(len(labels) - 0.4, -0.6)  # first lane on top
     ax.grid(axis="x", alpha=0.3)
 
 

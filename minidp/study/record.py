@@ -76,7 +76,10 @@ def run_minidp(cfg, x, progress) -> dict:
     """Plans and timeline events of each step; the plan a step used is read after its forward."""
     model = DistributedDataParallel(_seeded_model(cfg), bucket_cap_mb=cfg["bucket_cap_mb"],
                        find_unused_parameters=cfg["find_unused"])
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if cfg.get("zero_overlap"):
+        opt = _zero_stepping_in_backward(model)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     plans, events = [], []
     for step in range(cfg["steps"]):
         timeline = model.enable_timeline()
@@ -85,13 +88,25 @@ def run_minidp(cfg, x, progress) -> dict:
         plans.append(model.bucket_plan())  # after the forward: the rebuild happens there
         timeline.record("backward_start")
         loss.backward()
-        opt.step()
+        if not cfg.get("zero_overlap"):  # else the step ran inside backward
+            opt.step()
         opt.zero_grad()
         timeline.record("step_end")
         events.append(timeline.snapshot())
         progress(f"minidp step {step + 1}/{cfg['steps']}")
     model.disable_timeline()
     return {"plans": plans, "events": events}
+
+
+def _zero_stepping_in_backward(model):
+    """ZeroRedundancyOptimizer(SGD, overlap_with_ddp=True), stepped by hook_with_zero_step from step 3."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from ..sharded.overlap import hook_with_zero_step
+    from ..sharded.zero import ZeroRedundancyOptimizer
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=1e-3)
+    model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, zero))
+    return zero
 
 
 def run_torch_ddp(cfg, x, progress) -> dict:
