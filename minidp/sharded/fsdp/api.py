@@ -74,7 +74,7 @@ def _check(module, mesh, reshard_after_forward, mp_policy) -> None:
     if state_of(module) is not None:
         raise AssertionError("Each distinct composable distributed API can only be applied to a "
                              "module once. fully_shard has already been applied to the following "
-                             f"module: {module}")
+                             f"module:\n{module}")
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh={mesh!r} must be a torch.distributed.device_mesh.DeviceMesh or None")
     if reshard_after_forward is not None:

@@ -1,0 +1,289 @@
+"""minidp.fully_shard against torch's fully_shard (FSDP2), its oracle: same shards, weights, collectives.
+
+One launch per world size (1-4): each rank builds the same model twice (two residual blocks,
+each its own unit, then the root over an input layer and a head), shards it with minidp's
+fully_shard and with torch's, trains both on the same batches, and returns plain results; the tests
+below only compare them. Layer sizes are odd (7, 15, 3 rows), so dim 0 never divides the world size
+evenly: padded shards, and at 4 ranks a rank with no rows of the head at all. Four ranks on two
+cores make every collective slow, so the launch at 4 runs only the cases in QUICK.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import NamedTuple
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+import minidp
+from harness import error_of, run_ranks
+from training import rank_batches
+
+STEPS = 10
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05}),
+}
+ENGINES = {"minidp": minidp.fully_shard, "torch": torch_fully_shard}
+
+
+class Case(NamedTuple):
+    optim: str
+    reshard: bool | None = True  # reshard_after_forward (None: FSDP2's default, the root keeps)
+    clip: bool = False  # clip_grad_norm_(max_norm=0.05) before every step (it clips: norms are ~0.3)
+    accumulate: int = 1  # micro-batches a step; the first without gradient sync
+
+
+CASES = {
+    "adamw": Case("adamw"),
+    "adamw-keep": Case("adamw", reshard=False),
+    "sgd": Case("sgd"),
+    "sgd-keep-clip": Case("sgd", reshard=False, clip=True),
+    "adamw-clip": Case("adamw", clip=True),
+    "adamw-default-accumulate": Case("adamw", reshard=None, accumulate=2),
+}
+QUICK = ("adamw", "sgd-keep-clip")  # the cases run at 4 ranks
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width + 1), nn.Linear(2 * width + 1, width)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class Net(nn.Module):
+    """An input layer and a head (the root's unit) around two blocks (a unit each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 7)
+        self.blocks = nn.ModuleList(Block(7) for _ in range(2))
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _sharded(engine, mesh, reshard):
+    torch.manual_seed(0)
+    net = Net()
+    for block in net.blocks:
+        ENGINES[engine](block, mesh=mesh, reshard_after_forward=reshard)
+    return ENGINES[engine](net, mesh=mesh, reshard_after_forward=reshard)
+
+
+def _layout(net):
+    """What each rank holds: every parameter's type, placements, global and local shape and strides."""
+    return {name: (type(p).__name__, tuple(p.placements), tuple(p.shape), tuple(p.to_local().shape),
+                   p.to_local().stride()) for name, p in net.named_parameters()}
+
+
+def _kinds(net):
+    """Which parameters the module holds now: "shard" (the DTensor) or "full" (the gathered one)."""
+    return ["shard" if isinstance(p, DTensor) else "full" for p in net.parameters()]
+
+
+def _counting():
+    """Patch torch.distributed's all_gather_single / reduce_scatter_single (both engines call them
+    through the module) to count calls; returns (counts, patches)."""
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    return counts, (mock.patch.object(dist, "all_gather_single",
+                                      counted("all_gather", dist.all_gather_single)),
+                    mock.patch.object(dist, "reduce_scatter_single",
+                                      counted("reduce_scatter", dist.reduce_scatter_single)))
+
+
+def _train(engine, case, mesh, rank):
+    net = _sharded(engine, mesh, case.reshard)
+    optimizer_class, defaults = OPTIMIZERS[case.optim]
+    opt = optimizer_class(net.parameters(), **defaults)
+    out = {"layout": _layout(net), "kinds": [], "losses": []}
+    counts, patches = _counting()
+    for step, batches in enumerate(_grouped(rank_batches(STEPS * case.accumulate, rank,
+                                                         targets=(4, 3)), case.accumulate)):
+        for k, (x, y) in enumerate(batches):
+            net.set_requires_gradient_sync(k == len(batches) - 1)
+            with patches[0], patches[1]:
+                loss = F.mse_loss(net(x), y)
+                if step == 0:
+                    out["kinds"].append(_kinds(net))  # after forward
+                loss.backward()
+            if step == 0:
+                out["kinds"].append(_kinds(net))  # after backward
+                out["counts"] = dict(counts)
+            out["losses"].append(loss.detach())
+        if case.clip:
+            norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+            out.setdefault("norms", []).append(norm.full_tensor())  # a replicated DTensor
+        if step == STEPS - 1:
+            out["grads"] = [p.grad.to_local().clone() for p in net.parameters()]
+        opt.step()
+        opt.zero_grad()
+    out["full"] = {name: p.full_tensor() for name, p in net.named_parameters()}
+    net.blocks[1].unshard()
+    out["unshard"] = (_kinds(net), net.blocks[1].up.weight.detach().clone())
+    net.blocks[1].reshard()
+    out["reshard"] = _kinds(net)
+    return out
+
+
+def _grouped(batches, size):
+    return [batches[i:i + size] for i in range(0, len(batches), size)]
+
+
+def _bad_input(mesh):
+    """(case, minidp's error, torch's error) for inputs FSDP2 refuses, errors as (type, message)."""
+    out = {}
+    net = Net()
+    minidp.fully_shard(net, mesh=mesh)
+    twice = torch_fully_shard(Net(), mesh=mesh)
+    out["twice"] = (error_of(minidp.fully_shard, net, mesh=mesh),
+                    error_of(torch_fully_shard, twice, mesh=mesh))
+    listing = nn.ModuleList([nn.Linear(2, 2)])
+    out["container"] = (error_of(minidp.fully_shard, listing, mesh=mesh),
+                        error_of(torch_fully_shard, nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh))
+    flat_mesh = init_device_mesh("cpu", (1, dist.get_world_size()))
+    out["2-D mesh"] = (error_of(minidp.fully_shard, Net(), mesh=flat_mesh), None)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    out["mp_policy"] = (error_of(minidp.fully_shard, Net(), mesh=mesh, mp_policy=policy), None)
+    out["reshard int"] = (error_of(minidp.fully_shard, Net(), mesh=mesh, reshard_after_forward=2),
+                          None)
+    return out
+
+
+def _worker():
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    cases = QUICK if dist.get_world_size() == 4 else CASES
+    training = {name: {engine: _train(engine, CASES[name], mesh, rank) for engine in ENGINES}
+                for name in cases}
+    return {"training": training, "errors": _bad_input(mesh)}
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"ws{n}")
+def ranks(request):
+    """Every rank's results at one world size: one launch runs every case."""
+    return run_ranks(_worker, request.param)
+
+
+def _same(a, b):
+    """Equal values, tensors bit for bit (and dtype), through dicts, lists and tuples."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _ran(ranks, case):
+    if case not in ranks[0]["training"]:
+        pytest.skip(f"{case} runs at 1-3 ranks only (QUICK at 4)")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_training_equals_torch_fully_shard_bitwise(ranks, case):
+    _ran(ranks, case)
+    for rank, out in enumerate(ranks):
+        mine, theirs = out["training"][case]["minidp"], out["training"][case]["torch"]
+        for key in ("full", "grads", "losses", "norms"):
+            assert _same(mine.get(key), theirs.get(key)), (case, rank, key)
+        # every rank ends with the same full weights, and they moved
+        assert _same(mine["full"], ranks[0]["training"][case]["minidp"]["full"]), (case, rank)
+    torch.manual_seed(0)
+    first = dict(Net().named_parameters())
+    assert all(not torch.equal(first[name], p) for name, p in mine["full"].items()), case
+
+
+def test_shards_are_laid_out_as_fsdp2s(ranks):
+    """DTensor, Shard(0), torch.chunk's rows (padding is not in the local tensor), on every rank."""
+    world = len(ranks)
+    for rank, out in enumerate(ranks):
+        mine = out["training"]["adamw"]["minidp"]["layout"]
+        assert mine == out["training"]["adamw"]["torch"]["layout"], rank
+        kind, placements, shape, local, _ = mine["head.weight"]
+        assert (kind, shape) == ("DTensor", (3, 7)) and repr(placements) == "(Shard(dim=0),)"
+        rows = torch.chunk(torch.empty(3), world)
+        assert local == ((len(rows[rank]) if rank < len(rows) else 0), 7), (world, rank)
+    names = list(ranks[0]["training"]["adamw"]["minidp"]["layout"])
+    assert names == [f"{n}.{w}" for n in ["inp"] + [f"blocks.{i}.{s}" for i in range(2)
+                                                      for s in ("up", "down")] + ["head"]
+                     for w in ("weight", "bias")]
+
+
+@pytest.mark.parametrize("case", ["adamw", "adamw-keep", "adamw-default-accumulate"])
+def test_gathers_frees_and_collectives_as_fsdp2(ranks, case):
+    """After forward the blocks hold shards (reshard_after_forward=True) or gathered weights (False);
+    after backward everything is sharded again; one all-gather and one reduce-scatter per unit and
+    pass, the same count as torch's."""
+    _ran(ranks, case)
+    for rank, out in enumerate(ranks):
+        mine, theirs = out["training"][case]["minidp"], out["training"][case]["torch"]
+        assert mine["kinds"] == theirs["kinds"], (case, rank)
+        assert mine["counts"] == theirs["counts"], (case, rank)
+    mine = ranks[0]["training"][case]["minidp"]
+    reshard, accumulate = CASES[case].reshard, CASES[case].accumulate
+    after_forward = mine["kinds"][0]
+    root_params = after_forward[:2] + after_forward[-2:]
+    assert set(after_forward[2:-2]) == {"shard" if reshard is not False else "full"}
+    assert set(root_params) == {"shard" if reshard else "full"}
+    assert set(mine["kinds"][-1]) == {"shard"}
+    if len(ranks) > 1:
+        # 3 units: gathered before forward, again before backward where freed; reduced once
+        regathered = 3 if reshard else (2 if reshard is None else 0)
+        assert mine["counts"] == {"all_gather": accumulate * (3 + regathered),
+                                  "reduce_scatter": 3}, case
+
+
+def test_unshard_and_reshard_methods(ranks):
+    for rank, out in enumerate(ranks):
+        mine, theirs = out["training"]["adamw"]["minidp"], out["training"]["adamw"]["torch"]
+        kinds, weight = mine["unshard"]
+        assert _same(mine["unshard"], theirs["unshard"]), rank
+        assert kinds[6:10] == ["full"] * 4 and kinds.count("full") == 4, rank  # blocks.1 only
+        assert torch.equal(weight, mine["full"]["blocks.1.up.weight"]), rank
+        assert mine["reshard"] == ["shard"] * 12, rank
+
+
+def test_bad_input(ranks):
+    errors = ranks[0]["errors"]
+    mine, theirs = errors["container"]
+    assert mine == theirs and mine[0] == "ValueError"
+    (mine, message), (theirs, their_message) = errors["twice"]
+    # the same words; the module's repr follows them (torch's module has changed class: FSDPNet)
+    assert mine == theirs == "AssertionError", errors["twice"]
+    assert message.split("\n")[0] == their_message.split("\n")[0]
+    assert errors["2-D mesh"][0][0] == "NotImplementedError" and "HSDP" in errors["2-D mesh"][0][1]
+    assert errors["mp_policy"][0][0] == "NotImplementedError"
+    assert errors["reshard int"][0][0] == "TypeError"
+
+
+def test_minidp_does_not_run_torchs_fsdp():
+    """minidp's fully_shard imports no FSDP internals: only the public MixedPrecisionPolicy type."""
+    for path in Path(minidp.__file__).parent.joinpath("sharded", "fsdp").glob("*.py"):
+        source = path.read_text()
+        imports = re.findall(r"^(?:from|import) (torch\.distributed\.fsdp\S*)(.*)$", source, re.M)
+        assert all(i == ("torch.distributed.fsdp", " import MixedPrecisionPolicy") for i in imports), path
