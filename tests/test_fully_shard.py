@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 import minidp
 from harness import error_of, run_ranks
+from minidp.sharded.fsdp.state import state_of
 from training import rank_batches
 
 STEPS = 10
@@ -98,6 +99,12 @@ def _kinds(net):
     return ["shard" if isinstance(p, DTensor) else "full" for p in net.parameters()]
 
 
+def _held(net):
+    """Bytes of gathered parameters minidp holds now, unit by unit (blocks first, the root last)."""
+    units = [state_of(m).unit for m in (*net.blocks, net)]
+    return [sum(p.full.untyped_storage().nbytes() for p in unit.params) for unit in units]
+
+
 def _counting():
     """Patch torch.distributed's all_gather_single / reduce_scatter_single (both engines call them
     through the module) to count calls; returns (counts, patches)."""
@@ -129,9 +136,12 @@ def _train(engine, case, mesh, rank):
                 loss = F.mse_loss(net(x), y)
                 if step == 0:
                     out["kinds"].append(_kinds(net))  # after forward
+                    out["held"] = [_held(net)] if engine == "minidp" else None
                 loss.backward()
             if step == 0:
                 out["kinds"].append(_kinds(net))  # after backward
+                if engine == "minidp":
+                    out["held"].append(_held(net))
                 out["counts"] = dict(counts)
             out["losses"].append(loss.detach())
         if case.clip:
@@ -251,6 +261,16 @@ def test_gathers_frees_and_collectives_as_fsdp2(ranks, case):
     assert set(after_forward[2:-2]) == {"shard" if reshard is not False else "full"}
     assert set(root_params) == {"shard" if reshard else "full"}
     assert set(mine["kinds"][-1]) == {"shard"}
+    # minidp frees what it gathered: nothing held after backward, after forward what is kept
+    (block, _, root), after_backward = mine["held"]
+    world = len(ranks)
+
+    def gathered(*shapes):  # fp32 bytes of world padded shards: ceil(rows / world) rows each
+        return sum(4 * world * -(-rows // world) * cols for rows, cols in shapes)
+
+    assert block == (0 if reshard is not False else gathered((15, 7), (15, 1), (7, 15), (7, 1)))
+    assert root == (0 if reshard else gathered((7, 8), (7, 1), (3, 7), (3, 1)))
+    assert after_backward == [0, 0, 0]
     if len(ranks) > 1:
         # 3 units: gathered before forward, again before backward where freed; reduced once
         regathered = 3 if reshard else (2 if reshard is None else 0)
