@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
 
 import minidp
 from harness import error_of, run_ranks
@@ -199,14 +200,11 @@ def ranks(request):
 
 
 def _same(a, b):
-    """Equal values, tensors bit for bit (and dtype), through dicts, lists and tuples."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
+    """The same nesting (dicts, lists, tuples) and leaves, tensors bit for bit and of one dtype."""
+    (leaves, spec), (others, other_spec) = tree_flatten(a), tree_flatten(b)
+    return spec == other_spec and all(
+        torch.equal(x, y) and x.dtype == y.dtype if isinstance(x, torch.Tensor) else x == y
+        for x, y in zip(leaves, others))
 
 
 def _ran(ranks, case):
