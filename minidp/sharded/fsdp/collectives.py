@@ -16,29 +16,38 @@ import torch.nn.functional as F
 from torch.distributed import ReduceOp
 
 
-@torch.no_grad()
-def all_gather_unit(params: list, group, rank: int, world: int) -> None:
-    """Write every rank's padded shard of each ShardedParam in `params` into its gathered copy."""
-    sizes = [p.padded.numel() for p in params]
-    dtypes = {p.padded.dtype for p in params}
-    # one collective wants one dtype: a unit mixing dtypes travels as bytes (FSDP2 does the same)
-    as_bytes = len(dtypes) > 1
+class Gather:
+    """One unit's all-gather: __init__ starts it (async_op=True: it runs while the caller
+    computes), wait() finishes it and writes every rank's padded shard of each ShardedParam into its
+    gathered copy. A unit mixing dtypes travels as bytes (one collective, one dtype; as FSDP2)."""
 
-    def flat(t):
-        return t.reshape(-1).view(torch.uint8) if as_bytes else t.reshape(-1)
+    def __init__(self, params: list, group, rank: int, world: int, async_op: bool = False):
+        self.params, self.world = params, world
+        self.as_bytes = len({p.padded.dtype for p in params}) > 1
+        self.sizes = [p.padded.numel() * (p.padded.element_size() if self.as_bytes else 1)
+                      for p in params]
+        self.per_rank = sum(self.sizes)
+        dtype = torch.uint8 if self.as_bytes else params[0].padded.dtype
+        self.output = torch.empty(world * self.per_rank, dtype=dtype,
+                                  device=params[0].padded.device)
+        mine = self.output.narrow(0, rank * self.per_rank, self.per_rank)
+        with torch.no_grad():
+            torch.cat([self._flat(p.padded) for p in params], out=mine)
+        self.work = None
+        if world > 1:  # ranks meet here
+            self.work = dist.all_gather_single(self.output, mine, group=group, async_op=async_op)
 
-    if as_bytes:
-        sizes = [n * p.padded.element_size() for n, p in zip(sizes, params)]
-    dtype = torch.uint8 if as_bytes else dtypes.pop()
-    per_rank = sum(sizes)
-    output = torch.empty(world * per_rank, dtype=dtype, device=params[0].padded.device)
-    mine = output.narrow(0, rank * per_rank, per_rank)
-    torch.cat([flat(p.padded) for p in params], out=mine)
-    if world > 1:
-        dist.all_gather_single(output, mine, group=group)  # ranks meet here
-    for p, block in zip(params, output.view(world, per_rank).split(sizes, dim=1)):
-        rows = p.alloc_unsharded()
-        (rows.view(torch.uint8).view(world, -1) if as_bytes else rows).copy_(block)
+    def _flat(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).view(torch.uint8) if self.as_bytes else t.reshape(-1)
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        rows = self.output.view(self.world, self.per_rank).split(self.sizes, dim=1)
+        for p, block in zip(self.params, rows):
+            full = p.alloc_unsharded()
+            (full.view(torch.uint8).view(self.world, -1) if self.as_bytes else full).copy_(block)
 
 
 def divide_factors(reduce_dtype: torch.dtype, world: int):

@@ -31,6 +31,7 @@ class Step:
     def __init__(self, states: list):
         self.states = states  # the root first, then the others in named_modules() order
         self.forward_root: ModuleState | None = None  # the outermost forward now running
+        self.forward_order: list[Unit] = []  # units by the end of their forward, this step
         self.callback_queued = False
 
     def end_backward(self) -> None:
@@ -41,7 +42,9 @@ class Step:
                 if unit.phase != Phase.POST_BACKWARD:
                     unit.post_backward()  # ranks meet here (its reduce-scatter)
                 unit.phase = Phase.IDLE
+                unit.forward_indices.clear()
             state.phase = Phase.IDLE
+        self.forward_order.clear()
         self.callback_queued = False
 
 
@@ -104,7 +107,10 @@ class ModuleState:
             return output
         if self.unit is not None:
             self.unit.post_forward()
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # a backward will follow: record the order, hook the outputs
+            if self.unit is not None:
+                self.unit.forward_indices.append(len(self.step.forward_order))
+                self.step.forward_order.append(self.unit)
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self.pre_backward)
@@ -120,5 +126,5 @@ class ModuleState:
             self.step.callback_queued = True
             Variable._execution_engine.queue_callback(self.step.end_backward)
         if self.unit is not None:
-            self.unit.pre_backward()  # ranks meet here (all-gather, if it was freed)
+            self.unit.pre_backward(self.step.forward_order)  # ranks meet here (all-gathers)
         return grad

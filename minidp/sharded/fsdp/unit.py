@@ -17,7 +17,7 @@ from enum import Enum, auto
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .collectives import all_gather_unit, reduce_scatter_unit
+from .collectives import Gather, reduce_scatter_unit
 from .sharded_param import ShardedParam
 
 
@@ -48,18 +48,34 @@ class Unit:
         self.requires_gradient_sync = True
         self.phase = Phase.IDLE
         self.is_unsharded = False
+        self.gather: Gather | None = None  # an all-gather started early (prefetch), not waited yet
+        self.forward_indices: list[int] = []  # where this unit sits in the step's forward order
 
-    def unshard(self) -> None:
-        """All-gather the parameters, put the gathered ones in the modules (no-op if they are)."""
-        if self.is_unsharded:
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gather the parameters, put the gathered ones in the modules (no-op if they are).
+
+        async_op=True starts the all-gather and returns: the next unshard() or wait_for_unshard()
+        finishes it (a prefetch)."""
+        if not self.is_unsharded and self.gather is None:
+            self.gather = Gather(self.params, self.group, self.rank, self.world, async_op)
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        if self.gather is None:
             return
-        all_gather_unit(self.params, self.group, self.rank, self.world)  # ranks meet here
+        gather, self.gather = self.gather, None
+        gather.wait()
         for p in self.params:
             p.to_unsharded()
         self.is_unsharded = True
 
     def reshard(self) -> None:
         """Put the shards back in the modules and free the gathered parameters' memory."""
+        if self.gather is not None:  # prefetched but never used: let the collective finish
+            if self.gather.work is not None:
+                self.gather.work.wait()
+            self.gather = None
         for p in self.params:
             p.to_sharded()
         self.is_unsharded = False
@@ -74,11 +90,17 @@ class Unit:
             self.reshard()
         self.phase = Phase.IDLE
 
-    def pre_backward(self) -> None:
+    def pre_backward(self, forward_order: list) -> None:
+        """Gather (or finish the prefetch), then prefetch the unit whose forward ran just before
+        this one's: its backward comes next (FSDP2's default backward prefetch)."""
         if self.phase == Phase.PRE_BACKWARD:
             return  # one of several outputs already did it
         self.phase = Phase.PRE_BACKWARD
         self.unshard()
+        if self.forward_indices:
+            index = self.forward_indices.pop()
+            if index > 0:
+                forward_order[index - 1].unshard(async_op=True)  # ranks meet here (started)
 
     def post_backward(self) -> None:
         """Reshard and reduce-scatter the gradients; idempotent within one backward."""
