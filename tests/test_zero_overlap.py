@@ -4,7 +4,7 @@ The oracle is torch's own path: torch DDP + torch's ZeroRedundancyOptimizer + to
 hook_with_zero_step (ddp_zero_hook.py). torch refuses gloo there (a precaution against a hang of its
 *interleaved* variant, pytorch#62300); the tests let its constructor through by answering "nccl" to
 its one backend check, and nothing else is changed: every step runs torch's code on gloo. Each case
-trains 12 steps and compares the final weights bit for bit with:
+trains 8 steps and compares the final weights bit for bit with:
   - torch's overlap path (torch DDP, torch ZeRO, torch's hook),
   - torch's hook and torch's ZeRO, unmodified, on minidp.DDP (they read `_has_rebuilt_buckets`,
     `process_group` and the GradBucket's index/parameters/gradients),
@@ -32,7 +32,7 @@ from minidp.hooks import hook_with_zero_step
 from minidp.sharded import overlap
 from training import mse, rank_batches, snapshot
 
-STEPS = 12
+STEPS = 8
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
               "adam": (torch.optim.Adam, {"lr": 0.01}),
               "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05})}

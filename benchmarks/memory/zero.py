@@ -18,7 +18,10 @@ shared/memory.py's peak_mib). The prediction beside it is minidp.study.memory_mo
 (params, N, k=8, weight_bytes=4, grad_bytes=4): DDP's optimizer column and ZeRO-1's (1/N of it).
 
 Then the step time: torch ZeRO (with torch DDP) and minidp ZeRO (with minidp.DDP) in the same two
-processes, alternating every step as speed/step_cost.py does, median of each and their ratio.
+processes, alternating every step as speed/step_cost.py does, median of each and their ratio; and the
+same for the step inside backward (overlap_with_ddp=True with hook_with_zero_step and allreduce_hook,
+DDP at bucket_cap_mb=25): torch's path on gloo needs its hook's gloo refusal passed (its constructor's
+one backend check answered "nccl", as tests/test_zero_overlap.py does), its steps are torch's code.
 """
 from __future__ import annotations
 
@@ -74,9 +77,30 @@ def make(config: str, width: int, layers: int):
     return ddp, opt, opt.optim
 
 
+def make_overlapped(engine: str, width: int, layers: int):
+    """(model, ZeRO) with the step inside backward: minidp's hook and ZeRO on minidp.DDP, or torch's on torch DDP."""
+    from unittest import mock
+
+    from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    model = build_model(width, layers)
+    if engine == "minidp_overlap":
+        ddp = minidp.DDP(model)
+        zero = minidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, overlap_with_ddp=True, lr=LR)
+        ddp.register_comm_hook(None, minidp.hooks.hook_with_zero_step(allreduce_hook, ddp, zero))
+        return ddp, zero
+    ddp = TorchDDP(model)
+    zero = TorchZero(ddp.parameters(), torch.optim.AdamW, overlap_with_ddp=True, lr=LR)
+    with mock.patch.object(ddp_zero_hook.dist, "get_backend", lambda group=None: "nccl"):  # past the gloo refusal
+        ddp.register_comm_hook(None, ddp_zero_hook.hook_with_zero_step(allreduce_hook, ddp, zero))
+    return ddp, zero
+
+
 def step(model, opt, x, y) -> None:
     nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
+    if not getattr(opt, "_overlap_with_ddp", False):  # else the hook stepped inside backward
+        opt.step()
     opt.zero_grad()
 
 
@@ -127,6 +151,7 @@ def _timing_rank(local_rank, width, layers, steps, warmup, out_path):
     torch.set_num_threads(1)
     minidp.init(backend="gloo")
     engines = {key: make(key, width, layers)[:2] for key in ("minidp_zero", "torch_zero")}
+    engines |= {key: make_overlapped(key, width, layers) for key in ("minidp_overlap", "torch_overlap")}
     x, y = torch.randn(4, width), torch.randn(4, width)
     times = {key: [] for key in engines}
     for i in range(warmup + steps):
@@ -227,6 +252,11 @@ def main(argv=None) -> int:
           f"{args.time_steps} timed steps each after {args.warmup}, alternating every step: median "
           f"minidp ZeRO {times['minidp_zero']:.2f} ms, torch ZeRO {times['torch_zero']:.2f} ms, "
           f"ratio {times['minidp_zero'] / times['torch_zero']:.3f}")
+    print("step inside backward (overlap_with_ddp=True), the same run: "
+          f"median minidp {times['minidp_overlap']:.2f} ms, "
+          f"torch {times['torch_overlap']:.2f} ms, ratio {times['minidp_overlap'] / times['torch_overlap']:.3f}; "
+          f"overlap / plain step: minidp {times['minidp_overlap'] / times['minidp_zero']:.3f}, "
+          f"torch {times['torch_overlap'] / times['torch_zero']:.3f}")
     return 0
 
 
