@@ -26,7 +26,7 @@ def test_zero_overlap_shows_each_bucket_stepped_inside_backward(tmp_path):
     the trace has the ZeRO lanes (both ranks' broadcasts)."""
     with workers_forked():
         report = explain("models:MLP", world_size=2, input_shape=(8,), bucket_cap_mb=0.001, steps=3,
-                         out_dir=str(tmp_path), progress=lambda text: None, zero_overlap=True)
+                         out_dir=str(tmp_path), progress=lambda text: None, zero_overlap="end")
     last = report["phases"][1]
     stepped = [b["index"] for b in last["buckets"] if b["zero_step_ms"] is not None]
     assert len(last["buckets"]) >= 2 and stepped == list(range(0, len(last["buckets"]), 2))

@@ -9,6 +9,7 @@ trains 8 steps and compares the final weights bit for bit with:
   - torch's hook and torch's ZeRO, unmodified, on minidp.DDP (they read `_has_rebuilt_buckets`,
     `process_group` and the GradBucket's index/parameters/gradients),
   - minidp's hook and ZeRO on torch DDP,
+  - minidp's interleaved hook (buckets stepped in the first hook call after their all-reduce is done),
   - the plain step (minidp.DDP + minidp ZeRO, opt.step() after backward) from the step where the
     overlap path starts updating (the third; the fourth with static_graph=True).
 """
@@ -28,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
 from harness import error_of, run_ranks
-from minidp.hooks import hook_with_zero_step
+from minidp.hooks import hook_with_zero_step, hook_with_zero_step_interleaved
 from minidp.sharded import overlap
 from training import mse, rank_batches, snapshot
 
@@ -68,6 +69,8 @@ ENGINES = {  # name -> (DDP, ZeRO, hook maker)
     "torch_zero_on_minidp_ddp": (minidp.DDP, TorchZero, torch_hook_on_gloo),
     "minidp_zero_on_torch_ddp": (TorchDDP, minidp.ZeroRedundancyOptimizer,
                                  lambda m, z, s: hook_with_zero_step(allreduce_hook, m, z, shard_buckets=s)),
+    "minidp_interleaved": (minidp.DDP, minidp.ZeroRedundancyOptimizer,
+                           lambda m, z, s: hook_with_zero_step_interleaved(allreduce_hook, m, z, shard_buckets=s)),
 }
 
 
@@ -161,7 +164,7 @@ def test_overlap_equals_torchs_and_the_plain_step_bitwise(ranks, case):
         got = out[case]
         reference = got["torch"]["weights"]
         assert not _equal(reference, start), "torch's overlap path did not train"
-        for engine in ("minidp", "torch_zero_on_minidp_ddp", "minidp_zero_on_torch_ddp"):
+        for engine in ("minidp", "torch_zero_on_minidp_ddp", "minidp_zero_on_torch_ddp", "minidp_interleaved"):
             assert _equal(got[engine]["weights"], reference), (case, engine, rank)
         assert _equal(got["plain"], reference), (case, "plain step", rank)
     for out in ranks[1:]:

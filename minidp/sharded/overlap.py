@@ -20,6 +20,10 @@ by bucket (a bucket's owners in rank order), after the same all-reduces. The hoo
 that runs backward, so the order does not depend on when a collective completes: minidp allows gloo,
 which torch refuses for fear of a hang (pytorch#62300) that comes from its interleaved variant, whose
 step runs in the all-reduce future's callback on the communication thread.
+
+hook_with_zero_step_interleaved steps earlier: in each hook call, every bucket whose all-reduce has
+finished (in bucket order), so the steps and broadcasts run while backward goes on; its broadcasts
+have a process group of their own, since when a bucket is stepped differs from rank to rank.
 """
 from __future__ import annotations
 
@@ -59,7 +63,12 @@ class Overlap:
         self.params_per_bucket: list[list[torch.Tensor]] = []
         self.assignments: list[dict[int, Assignment]] = []  # per rank: bucket index -> Assignment
         self.owners: list[list[int]] = []  # per bucket: the ranks that step a part of it, sorted
-        self.futures: dict = {}  # this step: bucket index -> (GradBucket, its all-reduce's future)
+        self.broadcast_group = None  # hook_with_zero_step_interleaved's own group (None: zero's)
+        # this step: bucket index -> (GradBucket, its all-reduce's future); the first bucket not yet
+        # stepped and broadcast; the broadcasts' work handles
+        self.futures: dict = {}
+        self.next_bucket = 0
+        self.handles: list = []
 
     def watch_buckets(self, ddp, bucket, zero) -> None:
         """Before READY: wait for the rebuild, record each bucket, then build the partition."""
@@ -144,12 +153,32 @@ def hook_with_zero_step(hook, ddp, zero, shard_buckets: bool = False):
     Returns:
         The hook to register: ddp.register_comm_hook(None, hook_with_zero_step(hook, ddp, zero)).
     """
+    return _zero_hook(hook, ddp, zero, shard_buckets, interleaved=False)
+
+
+def hook_with_zero_step_interleaved(hook, ddp, zero, shard_buckets: bool = False):
+    """Like hook_with_zero_step, but a bucket is stepped in the first hook call after its all-reduce
+    is done, while backward goes on; the last bucket's call waits for the rest (torch's signature).
+
+    Which call steps a bucket depends on timing and differs between ranks, so the broadcasts go
+    through a process group of their own (made here, by the ranks of zero's group): in it every rank
+    still issues them in bucket order, whatever the all-reduces do meanwhile. torch's variant steps
+    in the all-reduce future's callback, on the communication thread (and refuses gloo); this one
+    steps on the thread that runs backward. Same arguments and result as hook_with_zero_step.
+    """
+    return _zero_hook(hook, ddp, zero, shard_buckets, interleaved=True)
+
+
+def _zero_hook(hook, ddp, zero, shard_buckets: bool, interleaved: bool):
     if not getattr(zero, "_overlap_with_ddp", False):
         raise ValueError("ZeroRedundancyOptimizer must be constructed with `overlap_with_ddp=True` to use "
                          "this hook properly")
     ddp_ref = weakref.ref(ddp)  # the hook is stored on ddp: no cycle that keeps it alive
     overlap = zero._overlap
     overlap.shard_buckets = bool(shard_buckets)
+    if interleaved:  # ranks meet here: the broadcasts' own group, over zero's ranks only
+        ranks = dist.get_process_group_ranks(zero.process_group)
+        overlap.broadcast_group = dist.new_group(ranks, use_local_synchronization=True)
 
     def hook_with_zero_fn(state, bucket):
         future = hook(state, bucket)
@@ -158,41 +187,51 @@ def hook_with_zero_step(hook, ddp, zero, shard_buckets: bool = False):
             if overlap.status != READY:
                 return future
         overlap.note(bucket, future)
-        if bucket.index() == len(overlap.params_per_bucket) - 1:  # the last bucket of the step
-            step_and_broadcast(zero, overlap, timeline_of(ddp_ref()))
+        last = bucket.index() == len(overlap.params_per_bucket) - 1
+        if interleaved or last:
+            step_and_broadcast(zero, overlap, timeline_of(ddp_ref()), wait_all=last)
         return future
 
     return hook_with_zero_fn
 
 
-def step_and_broadcast(zero, overlap: Overlap, timeline=None) -> None:
-    """Every bucket in order: wait for its all-reduce, step this rank's part, broadcast every owner's.
+def step_and_broadcast(zero, overlap: Overlap, timeline=None, wait_all: bool = True) -> None:
+    """Buckets in order from the first not yet done: wait for (or, unless `wait_all`, only take if
+    finished) its all-reduce, step this rank's part, broadcast every owner's part.
 
-    Ranks meet here: the same broadcasts, in the same order, on every rank. They are all waited for
-    before returning, so the next forward reads updated weights.
+    Ranks meet here: the same broadcasts, in the same order, on every rank. With `wait_all` (the last
+    bucket's call) every bucket is done and every broadcast waited for before returning, so the next
+    forward reads updated weights.
     """
-    rank, group = zero.rank, zero.process_group
-    handles = []
-    for b, owners in enumerate(overlap.owners):
+    rank = zero.rank
+    group = overlap.broadcast_group or zero.process_group
+    while overlap.next_bucket < len(overlap.futures):
+        b = overlap.next_bucket
+        bucket, future = overlap.futures[b]
+        if not (wait_all or future.done()):
+            break  # later: in the next hook call, or the last
         mine = overlap.assignments[rank].get(b)
         if mine is not None:
-            bucket, future = overlap.futures[b]
             future.wait()  # the bucket's gradients are averaged from here on
             record(timeline, "begin", STEP_LANE, f"step bucket {b}")
             grads = bucket.gradients()[mine.offset:mine.offset + len(mine.params)]
             zero._step_params(mine.params, grads)
             record(timeline, "end", STEP_LANE, f"step bucket {b}")
-        for owner in owners:  # ranks meet here: `owner` sends its part of bucket b, the others receive
+        for owner in overlap.owners[b]:  # ranks meet here: `owner` sends its part of bucket b
             flat = overlap.assignments[owner][b].flat
             name = f"broadcast bucket {b} from rank {owner}"
             record(timeline, "begin", BROADCAST_LANE, name)
             work = dist.broadcast(flat, src=global_rank(group, owner), group=group, async_op=True)
-            handles.append(work)
+            overlap.handles.append(work)
             if timeline is not None:
                 work.get_future().add_done_callback(lambda _, n=name: record(timeline, "end", BROADCAST_LANE, n))
-    for work in handles:
-        work.wait()
-    overlap.futures.clear()
+        overlap.next_bucket += 1
+    if wait_all:
+        for work in overlap.handles:
+            work.wait()
+        overlap.handles.clear()
+        overlap.futures.clear()
+        overlap.next_bucket = 0
 
 
 def timeline_of(ddp):

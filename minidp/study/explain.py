@@ -2,7 +2,7 @@
 
     python -m minidp.explain resnet18 --world-size 2 --input-shape 3,32,32
     python -m minidp.explain mypkg.models:make_net --input-shape 128 --bucket-cap-mb 5 --json
-    python -m minidp.explain resnet18 --input-shape 3,32,32 --zero-overlap   # ZeRO's step in backward
+    python -m minidp.explain resnet18 --input-shape 3,32,32 --zero-overlap interleaved  # ZeRO steps in backward
 
 Runs a few real steps on CPU ranks (gloo), under minidp and then under torch DDP, and prints per
 bucket, at construction and after the rebuild: index, parameters, MiB, first and last parameter,
@@ -71,7 +71,7 @@ def rank_start_method(threads: int):
 
 def explain(model: str, world_size: int = 2, bucket_cap_mb: float | None = None, batch: int = 8,
             input_shape=None, find_unused: bool = False, steps: int = 3, out_dir: str = ".",
-            progress=None, timeout: float = 600.0, zero_overlap: bool = False) -> dict:
+            progress=None, timeout: float = 600.0, zero_overlap=None) -> dict:
     """Run `steps` steps of `model` on `world_size` CPU ranks under minidp and torch DDP; return the report.
 
     Args:
@@ -85,15 +85,19 @@ def explain(model: str, world_size: int = 2, bucket_cap_mb: float | None = None,
         out_dir: where the PNG, trace and events go. Default ".".
         progress: callable(str) for progress lines. Default: print to stderr.
         timeout: seconds before the ranks are stopped. Default 600.
-        zero_overlap: minidp's run uses ZeroRedundancyOptimizer(overlap_with_ddp=True) with
-            hook_with_zero_step: the report shows when each bucket was stepped and broadcast, inside
-            backward (from step 3: steps must be >= 3). Default False: SGD stepped after backward.
+        zero_overlap: "end" or "interleaved": minidp's run uses ZeroRedundancyOptimizer(
+            overlap_with_ddp=True) with hook_with_zero_step (every bucket stepped in the last
+            bucket's hook) or hook_with_zero_step_interleaved (each as soon as its all-reduce is
+            done); the report shows when each bucket was stepped (from step 3: steps must be >= 3).
+            Default None: SGD stepped after backward.
     """
     check_int("world_size", world_size, 1)
     check_int("batch", batch, 1)
     check_int("steps", steps, 2)
     check_bool("find_unused", find_unused)
-    if check_bool("zero_overlap", zero_overlap) and steps < 3:
+    if zero_overlap not in (None, "end", "interleaved"):
+        raise ValueError(f"zero_overlap={zero_overlap!r} must be None, 'end' or 'interleaved'")
+    if zero_overlap and steps < 3:
         raise ValueError(f"steps={steps}: zero_overlap=True needs 3 steps or more (ZeRO's overlap path updates "
                          "from the third step, once DDP's buckets are final)")
     if bucket_cap_mb is not None:
@@ -227,8 +231,9 @@ def _format_phase(phase: dict, report: dict) -> list:
                      f"{cut(b['last']):<{width}}  {fmt(b['launch_ms']):>9} {fmt(b['done_ms']):>9} "
                      f"{fmt(b['ddp_launch_ms']):>12}" + (f" {fmt(b['zero_step_ms']):>10}" if zero else ""))
     if zero:
-        lines.append("  ZeRO step: when rank 0 finished stepping its part of the bucket (overlap_with_ddp=True; "
-                     "other ranks step theirs), inside loss.backward(); the timeline's ZeRO lanes show the broadcasts")
+        lines.append(f"  ZeRO step: when rank 0 finished stepping its part of the bucket (overlap_with_ddp=True, "
+                     f"{report['zero_overlap']}; other ranks step theirs), inside loss.backward(); the timeline's "
+                     "ZeRO lanes show the broadcasts")
     lines.append(f"  times: ms after backward began (rank 0). Backward done at {fmt(phase['backward_ms'])}; "
                  f"loss.backward() returned at {fmt(phase['returned_ms'])} "
                  f"(torch DDP: {fmt(phase['ddp_returned_ms'])})")
@@ -248,8 +253,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="steps per engine, >= 2 (default 3)")
     p.add_argument("--out", default=".", help="folder for the PNG, trace and events (default: .)")
     p.add_argument("--json", action="store_true", help="print the report as JSON (progress stays on stderr)")
-    p.add_argument("--zero-overlap", action="store_true",
-                   help="minidp steps ZeroRedundancyOptimizer inside backward (hook_with_zero_step)")
+    p.add_argument("--zero-overlap", nargs="?", const="end", choices=["end", "interleaved"], default=None,
+                   help="minidp steps ZeroRedundancyOptimizer inside backward: 'end' (default: hook_with_zero_step, "
+                        "every bucket in the last bucket's hook) or 'interleaved' (each when its all-reduce is done)")
     args = p.parse_args(argv)
     try:
         shape = parse_shape(args.input_shape) if args.input_shape else None

@@ -77,7 +77,7 @@ def run_minidp(cfg, x, progress) -> dict:
     model = DistributedDataParallel(_seeded_model(cfg), bucket_cap_mb=cfg["bucket_cap_mb"],
                        find_unused_parameters=cfg["find_unused"])
     if cfg.get("zero_overlap"):
-        opt = _zero_stepping_in_backward(model)
+        opt = _zero_stepping_in_backward(model, cfg["zero_overlap"])
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     plans, events = [], []
@@ -98,14 +98,16 @@ def run_minidp(cfg, x, progress) -> dict:
     return {"plans": plans, "events": events}
 
 
-def _zero_stepping_in_backward(model):
-    """ZeroRedundancyOptimizer(SGD, overlap_with_ddp=True), stepped by hook_with_zero_step from step 3."""
+def _zero_stepping_in_backward(model, variant: str):
+    """ZeroRedundancyOptimizer(SGD, overlap_with_ddp=True), stepped inside backward from step 3 by
+    hook_with_zero_step ("end": all buckets in the last bucket's hook) or its interleaved variant."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from ..sharded.overlap import hook_with_zero_step
+    from ..sharded import overlap
     from ..sharded.zero import ZeroRedundancyOptimizer
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=1e-3)
-    model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, zero))
+    make_hook = overlap.hook_with_zero_step_interleaved if variant == "interleaved" else overlap.hook_with_zero_step
+    model.register_comm_hook(None, make_hook(allreduce_hook, model, zero))
     return zero
 
 
