@@ -20,8 +20,9 @@ shared/memory.py's peak_mib). The prediction beside it is minidp.study.memory_mo
 Then the step time: torch ZeRO (with torch DDP) and minidp ZeRO (with minidp.DDP) in the same two
 processes, alternating every step as speed/step_cost.py does, median of each and their ratio; and the
 same for the step inside backward (overlap_with_ddp=True with hook_with_zero_step and allreduce_hook,
-DDP at bucket_cap_mb=25): torch's path on gloo needs its hook's gloo refusal passed (its constructor's
-one backend check answered "nccl", as tests/test_zero_overlap.py does), its steps are torch's code.
+DDP at bucket_cap_mb=25; and minidp's hook_with_zero_step_interleaved): torch's path on gloo needs its
+hook's gloo refusal passed (its constructor's one backend check answered "nccl", as
+tests/test_zero_overlap.py does), its steps are torch's code.
 """
 from __future__ import annotations
 
@@ -85,10 +86,12 @@ def make_overlapped(engine: str, width: int, layers: int):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     model = build_model(width, layers)
-    if engine == "minidp_overlap":
+    if engine in ("minidp_overlap", "minidp_interleaved"):
         ddp = minidp.DDP(model)
         zero = minidp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, overlap_with_ddp=True, lr=LR)
-        ddp.register_comm_hook(None, minidp.hooks.hook_with_zero_step(allreduce_hook, ddp, zero))
+        hooks = minidp.hooks
+        make_hook = hooks.hook_with_zero_step if engine == "minidp_overlap" else hooks.hook_with_zero_step_interleaved
+        ddp.register_comm_hook(None, make_hook(allreduce_hook, ddp, zero))
         return ddp, zero
     ddp = TorchDDP(model)
     zero = TorchZero(ddp.parameters(), torch.optim.AdamW, overlap_with_ddp=True, lr=LR)
@@ -151,7 +154,8 @@ def _timing_rank(local_rank, width, layers, steps, warmup, out_path):
     torch.set_num_threads(1)
     minidp.init(backend="gloo")
     engines = {key: make(key, width, layers)[:2] for key in ("minidp_zero", "torch_zero")}
-    engines |= {key: make_overlapped(key, width, layers) for key in ("minidp_overlap", "torch_overlap")}
+    engines |= {key: make_overlapped(key, width, layers)
+                for key in ("minidp_overlap", "torch_overlap", "minidp_interleaved")}
     x, y = torch.randn(4, width), torch.randn(4, width)
     times = {key: [] for key in engines}
     for i in range(warmup + steps):
@@ -257,6 +261,10 @@ def main(argv=None) -> int:
           f"torch {times['torch_overlap']:.2f} ms, ratio {times['minidp_overlap'] / times['torch_overlap']:.3f}; "
           f"overlap / plain step: minidp {times['minidp_overlap'] / times['minidp_zero']:.3f}, "
           f"torch {times['torch_overlap'] / times['torch_zero']:.3f}")
+    print(f"minidp's interleaved variant (each bucket stepped once its all-reduce is done): median "
+          f"{times['minidp_interleaved']:.2f} ms, "
+          f"/ torch's overlap path {times['minidp_interleaved'] / times['torch_overlap']:.3f}, "
+          f"/ minidp plain step {times['minidp_interleaved'] / times['minidp_zero']:.3f}")
     return 0
 
 
