@@ -9,6 +9,7 @@ cores make every collective slow, so the launch at 4 runs only the cases in QUIC
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from pathlib import Path
@@ -44,6 +45,7 @@ class Case(NamedTuple):
     reshard: bool | None = True  # reshard_after_forward (None: FSDP2's default, the root keeps)
     clip: bool = False  # clip_grad_norm_(max_norm=0.05) before every step (it clips: norms are ~0.3)
     accumulate: int = 1  # micro-batches a step; the first without gradient sync
+    mp: MixedPrecisionPolicy = MixedPrecisionPolicy()
 
 
 CASES = {
@@ -51,8 +53,16 @@ CASES = {
     "adamw-keep": Case("adamw", reshard=False),
     "sgd": Case("sgd"),
     "sgd-keep-clip": Case("sgd", reshard=False, clip=True),
-    "adamw-clip": Case("adamw", clip=True),
     "adamw-default-accumulate": Case("adamw", reshard=None, accumulate=2),
+    # bf16 weights in forward and backward, fp32 shards, optimizer and reduction
+    "adamw-bf16-fp32": Case("adamw", mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                            reduce_dtype=torch.float32)),
+    # ... and the unsynced micro-batch's bf16 gradients kept in fp32
+    "sgd-bf16-fp32-accumulate": Case("sgd", accumulate=2, mp=MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+    # all in bf16 but the shards: the reduce-scatter too; the root's outputs cast to fp32
+    "sgd-bf16-keep": Case("sgd", reshard=False, mp=MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, output_dtype=torch.float32)),
 }
 QUICK = ("adamw", "sgd-keep-clip")  # the cases run at 4 ranks
 
@@ -82,12 +92,14 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def _sharded(engine, mesh, reshard):
+def _sharded(engine, mesh, reshard, mp_policy):
     torch.manual_seed(0)
     net = Net()
     for block in net.blocks:
-        ENGINES[engine](block, mesh=mesh, reshard_after_forward=reshard)
-    return ENGINES[engine](net, mesh=mesh, reshard_after_forward=reshard)
+        # output_dtype on the root only: a block's fp32 output would meet the root's bf16 head
+        ENGINES[engine](block, mesh=mesh, reshard_after_forward=reshard,
+                        mp_policy=dataclasses.replace(mp_policy, output_dtype=None))
+    return ENGINES[engine](net, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
 
 
 def _layout(net):
@@ -127,7 +139,7 @@ def _tracing():
 
 
 def _train(engine, case, mesh, rank):
-    net = _sharded(engine, mesh, case.reshard)
+    net = _sharded(engine, mesh, case.reshard, case.mp)
     optimizer_class, defaults = OPTIMIZERS[case.optim]
     opt = optimizer_class(net.parameters(), **defaults)
     out = {"layout": _layout(net), "kinds": [], "losses": []}
@@ -137,8 +149,10 @@ def _train(engine, case, mesh, rank):
         for k, (x, y) in enumerate(batches):
             net.set_requires_gradient_sync(k == len(batches) - 1)
             with patches[0], patches[1]:
-                loss = F.mse_loss(net(x), y)
+                output = net(x)
+                loss = F.mse_loss(output.float(), y)
                 if step == 0:
+                    out["output_dtype"] = output.dtype
                     out["kinds"].append(_kinds(net))  # after forward
                     out["held"] = [_held(net)] if engine == "minidp" else None
                 loss.backward()
@@ -180,8 +194,6 @@ def _bad_input(mesh):
                         error_of(torch_fully_shard, nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh))
     flat_mesh = init_device_mesh("cpu", (1, dist.get_world_size()))
     out["2-D mesh"] = (error_of(minidp.fully_shard, Net(), mesh=flat_mesh), None)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    out["mp_policy"] = (error_of(minidp.fully_shard, Net(), mesh=mesh, mp_policy=policy), None)
     out["reshard int"] = (error_of(minidp.fully_shard, Net(), mesh=mesh, reshard_after_forward=2),
                           None)
     return out
@@ -220,7 +232,7 @@ def test_training_equals_torch_fully_shard_bitwise(ranks, case):
     _ran(ranks, case)
     for rank, out in enumerate(ranks):
         mine, theirs = out["training"][case]["minidp"], out["training"][case]["torch"]
-        for key in ("full", "grads", "losses", "norms"):
+        for key in ("full", "grads", "losses", "norms", "output_dtype"):
             assert _same(mine.get(key), theirs.get(key)), (case, rank, key)
         # every rank ends with the same full weights, and they moved
         assert _same(mine["full"], ranks[0]["training"][case]["minidp"]["full"]), (case, rank)
@@ -298,7 +310,6 @@ def test_bad_input(ranks):
     assert mine == theirs == "AssertionError", errors["twice"]
     assert message.split("\n")[0] == their_message.split("\n")[0]
     assert errors["2-D mesh"][0][0] == "NotImplementedError" and "HSDP" in errors["2-D mesh"][0][1]
-    assert errors["mp_policy"][0][0] == "NotImplementedError"
     assert errors["reshard int"][0][0] == "TypeError"
 
 

@@ -41,7 +41,11 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         reshard_after_forward: free the gathered parameters after forward and gather them again in
             backward (default True; False keeps them until the end of backward; None: True except
             for the root, as FSDP2).
-        mp_policy: torch's MixedPrecisionPolicy; only the default (no casts) is implemented here.
+        mp_policy: torch's MixedPrecisionPolicy (default: no casts). param_dtype: the gathered
+            weights' dtype (forward and backward compute in it; the shards and the optimizer stay
+            in the parameters' dtype); reduce_dtype: the gradients' in the reduce-scatter;
+            output_dtype: the forward's outputs are cast to it; cast_forward_inputs: the floating
+            inputs are cast to param_dtype.
     """
     _check(module, mesh, reshard_after_forward, mp_policy)
     mesh = mesh if mesh is not None else _default_mesh()
@@ -56,8 +60,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         for name, buf in m._buffers.items():
             if buf is not None and buf.device != device:
                 m._buffers[name] = buf.to(device)
-    unit = Unit(params, mesh, device, reshard_after_forward is not False) if params else None
-    module.__dict__[STATE_ATTRIBUTE] = ModuleState(module, unit, reshard_after_forward is None)
+    unit = Unit(params, mesh, device, reshard_after_forward is not False, mp_policy) \
+        if params else None
+    module.__dict__[STATE_ATTRIBUTE] = ModuleState(module, unit, reshard_after_forward is None,
+                                                   mp_policy)
     for name, method in _METHODS.items():
         setattr(module, name, types.MethodType(method, module))
     return module
@@ -82,9 +88,6 @@ def _check(module, mesh, reshard_after_forward, mp_policy) -> None:
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy={mp_policy!r} must be a torch.distributed.fsdp."
                         "MixedPrecisionPolicy")
-    if mp_policy != NO_CASTS:
-        raise NotImplementedError(f"mp_policy={mp_policy}: mixed precision is not built in "
-                                  "minidp.fully_shard yet; leave the default")
 
 
 def _default_mesh() -> DeviceMesh:

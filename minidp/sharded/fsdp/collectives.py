@@ -23,22 +23,18 @@ class Gather:
 
     def __init__(self, params: list, group, rank: int, world: int, async_op: bool = False):
         self.params, self.world = params, world
-        self.as_bytes = len({p.padded.dtype for p in params}) > 1
-        self.sizes = [p.padded.numel() * (p.padded.element_size() if self.as_bytes else 1)
-                      for p in params]
+        inputs = [p.gather_input() for p in params]  # cast to param_dtype here, as FSDP2
+        self.as_bytes = len({t.dtype for t in inputs}) > 1
+        self.sizes = [t.numel() * (t.element_size() if self.as_bytes else 1) for t in inputs]
         self.per_rank = sum(self.sizes)
-        dtype = torch.uint8 if self.as_bytes else params[0].padded.dtype
-        self.output = torch.empty(world * self.per_rank, dtype=dtype,
-                                  device=params[0].padded.device)
+        dtype = torch.uint8 if self.as_bytes else inputs[0].dtype
+        self.output = torch.empty(world * self.per_rank, dtype=dtype, device=inputs[0].device)
         mine = self.output.narrow(0, rank * self.per_rank, self.per_rank)
         with torch.no_grad():
-            torch.cat([self._flat(p.padded) for p in params], out=mine)
+            torch.cat([t.view(torch.uint8) if self.as_bytes else t for t in inputs], out=mine)
         self.work = None
         if world > 1:  # ranks meet here
             self.work = dist.all_gather_single(self.output, mine, group=group, async_op=async_op)
-
-    def _flat(self, t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(-1).view(torch.uint8) if self.as_bytes else t.reshape(-1)
 
     @torch.no_grad()
     def wait(self) -> None:
@@ -71,11 +67,13 @@ def divide_factors(reduce_dtype: torch.dtype, world: int):
 def reduce_scatter_unit(params: list, grads: list, group, world: int) -> None:
     """Average `grads` (the full gradients of `params`) over the ranks; each param gets its rows.
 
-    The rows become the DTensor parameter's .grad (or are added to it, as autograd accumulates).
+    The reduction runs in the parameters' reduce_dtype (else the gradients' dtype); the rows are
+    cast to the parameters' dtype and become the DTensor's .grad (or are added to it).
     """
     sizes = [p.padded.numel() for p in params]
     per_rank = sum(sizes)
-    scatter = grads[0].new_empty(world, per_rank)  # row r: the rows rank r keeps
+    reduce_dtype = params[0].reduce_dtype or grads[0].dtype
+    scatter = grads[0].new_empty(world, per_rank, dtype=reduce_dtype)  # row r: what rank r keeps
     for block, grad, n in zip(scatter.split(sizes, dim=1), grads, sizes):
         block.copy_(F.pad(grad.reshape(-1), (0, world * n - grad.numel())).view(world, n))
     pre, post, op = divide_factors(scatter.dtype, world)
@@ -88,5 +86,6 @@ def reduce_scatter_unit(params: list, grads: list, group, world: int) -> None:
         mine.copy_(scatter.view(-1))
     if post is not None and post != 1:
         mine.div_(post)
+    mine = mine.to(params[0].padded.dtype)
     for p, rows in zip(params, mine.split(sizes)):
         p.add_grad(rows[:p.local_numel])

@@ -38,9 +38,11 @@ class ShardedParam:
             several), where the sharded or the gathered parameter is put in its place.
         mesh: a 1-D DeviceMesh over the ranks that share the parameter.
         device: where the shard lives.
+        mp_policy: torch's MixedPrecisionPolicy: param_dtype is the gathered copy's dtype (the
+            shard keeps the parameter's), reduce_dtype the gradients' in the reduce-scatter.
     """
 
-    def __init__(self, param: nn.Parameter, places: list, mesh, device: torch.device):
+    def __init__(self, param: nn.Parameter, places: list, mesh, device: torch.device, mp_policy):
         self.places, self.mesh = places, mesh
         world, rank = mesh.size(), mesh.get_local_rank()
         data = param.detach().to(device)
@@ -55,6 +57,11 @@ class ShardedParam:
         self.full: torch.Tensor | None = None  # the gathered rows, padding included (flat)
         self.unsharded: nn.Parameter | None = None
         self.set_on_modules(self.sharded)
+        # FSDP2's clamps: no reduce cast when it equals param_dtype, no cast of a non-float param
+        wanted = mp_policy.param_dtype
+        self.compute_dtype = wanted if wanted and data.dtype.is_floating_point else data.dtype
+        self.reduce_dtype = None if mp_policy.reduce_dtype == wanted else mp_policy.reduce_dtype
+        self.accumulated: torch.Tensor | None = None  # gradients kept across unsynced backwards
 
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
         """`local` (this rank's rows of the parameter or of its gradient) as a DTensor like it."""
@@ -75,10 +82,11 @@ class ShardedParam:
         world = self.mesh.size()
         numel = world * self.padded.numel()
         if self.full is None:
-            storage = torch.empty(numel, dtype=self.padded.dtype, device=self.padded.device)
+            empty = torch.empty(0, dtype=self.compute_dtype, device=self.padded.device)
+            storage = torch.empty(numel, dtype=self.compute_dtype, device=self.padded.device)
             storage = storage.untyped_storage()
-            self.full = self.padded.new_empty(0).set_(storage, 0, (numel,), (1,))
-            view = self.padded.new_empty(0).set_(storage, 0, self.size, self.stride)
+            self.full = empty.clone().set_(storage, 0, (numel,), (1,))
+            view = empty.clone().set_(storage, 0, self.size, self.stride)
             self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
         elif self.full.untyped_storage().size() == 0:
             self.full.untyped_storage().resize_(numel * self.full.element_size())
@@ -96,8 +104,30 @@ class ShardedParam:
         if self.full is not None:
             self.full.untyped_storage().resize_(0)
 
+    def gather_input(self) -> torch.Tensor:
+        """What this rank sends to the all-gather: its padded rows, flat, in the compute dtype."""
+        return self.padded.view(-1).to(self.compute_dtype)
+
+    def keep_grad(self) -> None:
+        """A backward without gradient sync: the full gradient stays for the next backward. With a
+        reduce_dtype it is kept in that dtype, and later ones are summed into it (FSDP2's rule)."""
+        grad = None if self.unsharded is None else self.unsharded.grad
+        if grad is None:
+            return
+        if self.accumulated is not None:
+            self.accumulated += grad
+        elif self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
+            self.accumulated = grad.to(self.reduce_dtype)
+        else:
+            return  # autograd keeps summing into .grad
+        self.unsharded.grad = None
+
     def take_grad(self) -> torch.Tensor | None:
-        """The gathered parameter's gradient (unsharded), removed from it; None if it has none."""
+        """The full gradient to reduce, removed from the gathered parameter; None if it has none."""
+        if self.accumulated is not None:
+            self.keep_grad()  # this backward's gradient joins the kept sum
+            grad, self.accumulated = self.accumulated, None
+            return grad
         if self.unsharded is None or self.unsharded.grad is None:
             return None
         grad, self.unsharded.grad = self.unsharded.grad, None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .unit import Phase, Unit
 
@@ -23,6 +23,14 @@ STATE_ATTRIBUTE = "_minidp_fully_shard"  # where a module keeps its ModuleState
 def state_of(module: nn.Module) -> ModuleState | None:
     """The ModuleState fully_shard gave `module`, or None."""
     return module.__dict__.get(STATE_ATTRIBUTE)
+
+
+def cast_floats(tree, dtype: torch.dtype | None):
+    """`tree` (nested tuples, lists, dicts) with its floating-point tensors cast to `dtype`."""
+    if dtype is None:
+        return tree
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                    and x.dtype != dtype else x, tree)
 
 
 class Step:
@@ -56,10 +64,14 @@ class ModuleState:
         unit: its parameters, or None.
         auto_reshard: reshard_after_forward was None: True, except for the root (FSDP2's rule: the
             root's parameters would be gathered again at once for backward).
+        mp_policy: torch's MixedPrecisionPolicy: the casts of the floating inputs and outputs.
     """
 
-    def __init__(self, module: nn.Module, unit: Unit | None, auto_reshard: bool):
+    def __init__(self, module: nn.Module, unit: Unit | None, auto_reshard: bool, mp_policy):
         self.module, self.unit, self.auto_reshard = module, unit, auto_reshard
+        cast_inputs = mp_policy.cast_forward_inputs and mp_policy.param_dtype is not None
+        self.input_dtype = mp_policy.param_dtype if cast_inputs else None
+        self.output_dtype = mp_policy.output_dtype
         self.is_root: bool | None = None  # decided at the first forward
         self.step: Step | None = None
         self.phase = Phase.IDLE
@@ -90,6 +102,7 @@ class ModuleState:
             self.unit.reshard_after_forward = False
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args, kwargs = cast_floats((args, kwargs), self.input_dtype)
         if self.phase == Phase.PRE_BACKWARD:  # activation checkpointing: forward again in backward
             if self.unit is not None:
                 self.unit.unshard()
@@ -104,7 +117,7 @@ class ModuleState:
 
     def post_forward(self, module: nn.Module, args: tuple, output):
         if self.phase == Phase.PRE_BACKWARD:
-            return output
+            return cast_floats(output, self.output_dtype)
         if self.unit is not None:
             self.unit.post_forward()
         if torch.is_grad_enabled():  # a backward will follow: record the order, hook the outputs
@@ -117,7 +130,7 @@ class ModuleState:
         self.phase = Phase.IDLE
         if self.step.forward_root is self:
             self.step.forward_root = None
-        return output
+        return cast_floats(output, self.output_dtype)
 
     def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         """Gradient hook on the outputs: the unit's backward is about to run."""

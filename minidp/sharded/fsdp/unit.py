@@ -38,10 +38,18 @@ class Unit:
         mesh: a 1-D DeviceMesh; its process group runs the collectives.
         device: where the shards live.
         reshard_after_forward: free the gathered parameters after forward (fully_shard's default).
+        mp_policy: torch's MixedPrecisionPolicy (the dtypes of the gathered copies and of the
+            reduction; fully_shard's hooks cast the inputs and outputs).
     """
 
-    def __init__(self, params: list, mesh, device: torch.device, reshard_after_forward: bool):
-        self.params = [ShardedParam(p, places, mesh, device) for p, places in params]
+    def __init__(self, params: list, mesh, device: torch.device, reshard_after_forward: bool,
+                 mp_policy):
+        self.params = [ShardedParam(p, places, mesh, device, mp_policy) for p, places in params]
+        trainable = [p for p in self.params if p.sharded.requires_grad]
+        if len({(p.padded.dtype, p.reduce_dtype) for p in trainable}) > 1:
+            raise ValueError("fully_shard needs one dtype for a unit's trainable parameters; got "
+                             f"{sorted({str(p.padded.dtype) for p in trainable})}: shard them "
+                             "in separate fully_shard calls")
         self.group, self.world, self.rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
@@ -106,6 +114,8 @@ class Unit:
         """Reshard and reduce-scatter the gradients; idempotent within one backward."""
         self.phase = Phase.POST_BACKWARD
         if not self.requires_gradient_sync:  # accumulate: full grads stay on the gathered params
+            for p in self.params:
+                p.keep_grad()
             if self.reshard_after_backward:
                 self.reshard()
             return
