@@ -19,8 +19,10 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -40,12 +42,16 @@ OPTIMIZERS = {
 ENGINES = {"minidp": minidp.fully_shard, "torch": torch_fully_shard}
 
 
+NO_MP = MixedPrecisionPolicy()
+
+
 class Case(NamedTuple):
     optim: str
     reshard: bool | None = True  # reshard_after_forward (None: FSDP2's default, the root keeps)
     clip: bool = False  # clip_grad_norm_(max_norm=0.05) before every step (it clips: norms are ~0.3)
     accumulate: int = 1  # micro-batches a step; the first without gradient sync
-    mp: MixedPrecisionPolicy = MixedPrecisionPolicy()
+    mp: MixedPrecisionPolicy = NO_MP
+    tied: bool = False  # TiedNet: a tied weight used twice and an unused layer in the root's unit
 
 
 CASES = {
@@ -53,6 +59,7 @@ CASES = {
     "adamw-keep": Case("adamw", reshard=False),
     "sgd": Case("sgd"),
     "sgd-keep-clip": Case("sgd", reshard=False, clip=True),
+    "adamw-tied-unused": Case("adamw", tied=True),
     "adamw-default-accumulate": Case("adamw", reshard=None, accumulate=2),
     # bf16 weights in forward and backward, fp32 shards, optimizer and reduction
     "adamw-bf16-fp32": Case("adamw", mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -92,9 +99,21 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def _sharded(engine, mesh, reshard, mp_policy):
+class TiedNet(Net):
+    """Net, and in the root's unit two layers sharing a weight, and a layer forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix, self.mix2, self.unused = nn.Linear(7, 7), nn.Linear(7, 7), nn.Linear(7, 7)
+        self.mix2.weight = self.mix.weight
+
+    def forward(self, x):
+        return super().forward(self.mix2(torch.tanh(self.mix(self.inp(x)))) @ self.inp.weight)
+
+
+def _sharded(engine, mesh, reshard, mp_policy=NO_MP, tied=False):
     torch.manual_seed(0)
-    net = Net()
+    net = TiedNet() if tied else Net()
     for block in net.blocks:
         # output_dtype on the root only: a block's fp32 output would meet the root's bf16 head
         ENGINES[engine](block, mesh=mesh, reshard_after_forward=reshard,
@@ -139,7 +158,7 @@ def _tracing():
 
 
 def _train(engine, case, mesh, rank):
-    net = _sharded(engine, mesh, case.reshard, case.mp)
+    net = _sharded(engine, mesh, case.reshard, case.mp, case.tied)
     optimizer_class, defaults = OPTIMIZERS[case.optim]
     opt = optimizer_class(net.parameters(), **defaults)
     out = {"layout": _layout(net), "kinds": [], "losses": []}
@@ -166,7 +185,8 @@ def _train(engine, case, mesh, rank):
             norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
             out.setdefault("norms", []).append(norm.full_tensor())  # a replicated DTensor
         if step == STEPS - 1:
-            out["grads"] = [p.grad.to_local().clone() for p in net.parameters()]
+            out["grads"] = [p.grad if p.grad is None else p.grad.to_local().clone()
+                            for p in net.parameters()]
         opt.step()
         opt.zero_grad()
     out["full"] = {name: p.full_tensor() for name, p in net.named_parameters()}
@@ -199,19 +219,53 @@ def _bad_input(mesh):
     return out
 
 
-def _worker():
+def _checkpoint(src, dst, mesh, rank, folder):
+    """`src` trains 3 steps and saves its model and AdamW state with torch.distributed.checkpoint;
+    `dst`, after 2 steps of its own on other data, loads them; both take one more step. Returns
+    both engines' full weights and optimizer states after it."""
+    batches = rank_batches(4, rank, targets=(4, 3))
+    ends = {}
+    for engine, own in ((src, batches[:3]), (dst, rank_batches(2, rank, seed=9, targets=(4, 3)))):
+        net = _sharded(engine, mesh, True)
+        opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+        for x, y in own:
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        ends[engine] = net, opt
+    dcp.save(_states(*ends[src]), checkpoint_id=folder)
+    loaded = _states(*ends[dst])
+    dcp.load(loaded, checkpoint_id=folder)
+    set_state_dict(*ends[dst], model_state_dict=loaded["model"],
+                   optim_state_dict=loaded["optim"])
+    for net, opt in ends.values():
+        F.mse_loss(net(batches[3][0]), batches[3][1]).backward()
+        opt.step()
+    full = StateDictOptions(full_state_dict=True)
+    return {engine: get_state_dict(net, opt, options=full) for engine, (net, opt) in ends.items()}
+
+
+def _states(net, opt):
+    model, optim = get_state_dict(net, opt)
+    return {"model": model, "optim": optim}
+
+
+def _worker(folder):
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     cases = QUICK if dist.get_world_size() == 4 else CASES
     training = {name: {engine: _train(engine, CASES[name], mesh, rank) for engine in ENGINES}
                 for name in cases}
-    return {"training": training, "errors": _bad_input(mesh)}
+    checkpoint = {} if dist.get_world_size() == 4 else {
+        "torch->minidp": _checkpoint("torch", "minidp", mesh, rank, f"{folder}/a"),
+        "minidp->torch": _checkpoint("minidp", "torch", mesh, rank, f"{folder}/b")}
+    return {"training": training, "checkpoint": checkpoint, "errors": _bad_input(mesh)}
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"ws{n}")
-def ranks(request):
+def ranks(request, tmp_path_factory):
     """Every rank's results at one world size: one launch runs every case."""
-    return run_ranks(_worker, request.param)
+    return run_ranks(_worker, request.param, str(tmp_path_factory.mktemp("dcp")))
 
 
 def _same(a, b):
@@ -237,8 +291,11 @@ def test_training_equals_torch_fully_shard_bitwise(ranks, case):
         # every rank ends with the same full weights, and they moved
         assert _same(mine["full"], ranks[0]["training"][case]["minidp"]["full"]), (case, rank)
     torch.manual_seed(0)
-    first = dict(Net().named_parameters())
-    assert all(not torch.equal(first[name], p) for name, p in mine["full"].items()), case
+    first = dict((TiedNet() if CASES[case].tied else Net()).named_parameters())
+    moved = {name for name, p in mine["full"].items() if not torch.equal(first[name], p)}
+    assert moved == set(first) - {"unused.weight", "unused.bias"}, case  # unused: no gradient
+    if CASES[case].tied:
+        assert mine["grads"][-2:] == [None, None] and "mix2.weight" not in first
 
 
 def test_shards_are_laid_out_as_fsdp2s(ranks):
@@ -319,3 +376,15 @@ def test_minidp_does_not_run_torchs_fsdp():
         source = path.read_text()
         imports = re.findall(r"^(?:from|import) (torch\.distributed\.fsdp\S*)(.*)$", source, re.M)
         assert all(i == ("torch.distributed.fsdp", " import MixedPrecisionPolicy") for i in imports), path
+
+
+@pytest.mark.parametrize("direction", ["torch->minidp", "minidp->torch"])
+def test_checkpoint_moves_between_torch_and_minidp(ranks, direction):
+    """torch.distributed.checkpoint saved by one engine, loaded by the other: one step later both
+    have the same full weights and AdamW state, bit for bit."""
+    if not ranks[0]["checkpoint"]:
+        pytest.skip("checkpoints run at 1-3 ranks")
+    for rank, out in enumerate(ranks):
+        got = out["checkpoint"][direction]
+        assert _same(got["minidp"], got["torch"]), (direction, rank)
+        assert len(got["minidp"][1]["state"]) == 12, rank  # every parameter's AdamW state
