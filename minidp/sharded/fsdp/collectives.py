@@ -63,29 +63,53 @@ def divide_factors(reduce_dtype: torch.dtype, world: int):
     return pre, world / pre, ReduceOp.SUM
 
 
-@torch.no_grad()
-def reduce_scatter_unit(params: list, grads: list, group, world: int) -> None:
-    """Average `grads` (the full gradients of `params`) over the ranks; each param gets its rows.
+class ReduceScatter:
+    """One unit's gradient reduce-scatter: __init__ starts it (async_op=True: it runs while the rest
+    of backward computes), wait() finishes it: this rank's rows of the average become the DTensor
+    parameters' .grad (or are added to it).
+
+    Args:
+        params: the unit's ShardedParams that have a gradient.
+        grads: their full gradients (freed once copied into the flat buffer).
+        group, world: the process group and its size.
+        async_op: do not wait for the collective here (default False).
 
     The reduction runs in the parameters' reduce_dtype (else the gradients' dtype); the rows are
-    cast to the parameters' dtype and become the DTensor's .grad (or are added to it).
+    cast to the parameters' dtype at the end.
     """
-    sizes = [p.padded.numel() for p in params]
-    per_rank = sum(sizes)
-    reduce_dtype = params[0].reduce_dtype or grads[0].dtype
-    scatter = grads[0].new_empty(world, per_rank, dtype=reduce_dtype)  # row r: what rank r keeps
-    for block, grad, n in zip(scatter.split(sizes, dim=1), grads, sizes):
-        block.copy_(F.pad(grad.reshape(-1), (0, world * n - grad.numel())).view(world, n))
-    pre, post, op = divide_factors(scatter.dtype, world)
-    if pre is not None and pre != 1:
-        scatter.div_(pre)
-    mine = scatter.new_empty(per_rank)
-    if world > 1:
-        dist.reduce_scatter_single(mine, scatter.view(-1), op=op, group=group)  # ranks meet here
-    else:
-        mine.copy_(scatter.view(-1))
-    if post is not None and post != 1:
-        mine.div_(post)
-    mine = mine.to(params[0].padded.dtype)
-    for p, rows in zip(params, mine.split(sizes)):
-        p.add_grad(rows[:p.local_numel])
+
+    @torch.no_grad()
+    def __init__(self, params: list, grads: list, group, world: int, async_op: bool = False):
+        self.params, self.sizes = params, [p.padded.numel() for p in params]
+        per_rank = sum(self.sizes)
+        reduce_dtype = params[0].reduce_dtype or grads[0].dtype
+        # row r: the rows rank r keeps, each gradient zero-padded to world * its padded shard
+        self.scatter = grads[0].new_empty(world, per_rank, dtype=reduce_dtype)
+        for block, grad, n in zip(self.scatter.split(self.sizes, dim=1), grads, self.sizes):
+            block.copy_(F.pad(grad.reshape(-1), (0, world * n - grad.numel())).view(world, n))
+        pre, self.post, op = divide_factors(reduce_dtype, world)
+        if pre is not None and pre != 1:
+            self.scatter.div_(pre)
+        self.mine = self.scatter.new_empty(per_rank)
+        self.work = None
+        if world > 1:  # ranks meet here
+            self.work = dist.reduce_scatter_single(self.mine, self.scatter.view(-1), op=op,
+                                                   group=group, async_op=async_op)
+        else:
+            self.mine.copy_(self.scatter.view(-1))
+        if not async_op:
+            self.wait()
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        """Finish (idempotent): wait for the collective, divide, cast, give each param its rows."""
+        if self.mine is None:
+            return
+        if self.work is not None:
+            self.work.wait()
+        mine, self.mine, self.scatter = self.mine, None, None
+        if self.post is not None and self.post != 1:
+            mine.div_(self.post)
+        mine = mine.to(self.params[0].padded.dtype)
+        for p, rows in zip(self.params, mine.split(self.sizes)):
+            p.add_grad(rows[:p.local_numel])

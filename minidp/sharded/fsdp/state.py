@@ -43,14 +43,17 @@ class Step:
         self.callback_queued = False
 
     def end_backward(self) -> None:
-        """At the end of autograd's run: post_backward where autograd did not call it; reset."""
+        """At the end of autograd's run: post_backward where autograd did not call it, wait for
+        every reduce-scatter (the DTensors' gradients are set then), reset."""
+        units = [state.unit for state in self.states if state.unit is not None]
+        for unit in units:
+            if unit.phase != Phase.POST_BACKWARD:
+                unit.post_backward()  # ranks meet here (its reduce-scatter)
+        for unit in units:
+            unit.wait_for_reduce()
+            unit.phase = Phase.IDLE
+            unit.forward_indices.clear()
         for state in self.states:
-            unit = state.unit
-            if unit is not None:
-                if unit.phase != Phase.POST_BACKWARD:
-                    unit.post_backward()  # ranks meet here (its reduce-scatter)
-                unit.phase = Phase.IDLE
-                unit.forward_indices.clear()
             state.phase = Phase.IDLE
         self.forward_order.clear()
         self.callback_queued = False

@@ -7,8 +7,9 @@ The life of a unit in one training step (FSDP2's FSDPParamGroup):
   post_forward   reshard_after_forward=True: put the shards back, free the gathered memory (ZeRO-3);
                  False: keep them gathered for backward (ZeRO-2, SHARD_GRAD_OP)
   pre_backward   gather again if they were freed (hooked on the unit's outputs)
-  post_backward  take the full gradients, reshard, reduce-scatter (one collective): each rank keeps
-                 the averaged gradient of its rows as the DTensor parameter's .grad
+  post_backward  take the full gradients, reshard, start the reduce-scatter (one collective); at
+                 the end of backward each rank keeps the averaged gradient of its rows as the
+                 DTensor parameter's .grad
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from enum import Enum, auto
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .collectives import Gather, reduce_scatter_unit
+from .collectives import Gather, ReduceScatter
 from .sharded_param import ShardedParam
 
 
@@ -57,6 +58,7 @@ class Unit:
         self.phase = Phase.IDLE
         self.is_unsharded = False
         self.gather: Gather | None = None  # an all-gather started early (prefetch), not waited yet
+        self.reduce: ReduceScatter | None = None  # this backward's reduce-scatter, in flight
         self.forward_indices: list[int] = []  # where this unit sits in the step's forward order
 
     def unshard(self, async_op: bool = False) -> None:
@@ -128,7 +130,15 @@ class Unit:
         if self.reshard_after_backward:
             self.reshard()
         if grads:
-            reduce_scatter_unit(with_grad, grads, self.group, self.world)  # ranks meet here
+            self.wait_for_reduce()  # a second use of the unit in this backward: the first's first
+            # ranks meet here; autograd goes on with the rest of backward while it runs
+            self.reduce = ReduceScatter(with_grad, grads, self.group, self.world, async_op=True)
+
+    def wait_for_reduce(self) -> None:
+        """Finish the reduce-scatter in flight, if any: the DTensors' .grad are set after it."""
+        if self.reduce is not None:
+            self.reduce.wait()
+            self.reduce = None
 
     def _hook_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Pass the inputs that require grad through PostBackward (its backward: post_backward)."""
