@@ -122,6 +122,10 @@ def _checkpoint_and_errors(rank):
     zero = minidp.ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01)
     out = {"early": {"consolidate": error_of(zero.consolidate_state_dict),
                      "add_param_group": error_of(zero.add_param_group, {"params": [nn.Parameter(torch.ones(2))]})}}
+    plain = minidp.ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, lr=0.01)
+    out["early"]["plain zero"] = error_of(hook_with_zero_step, allreduce_hook, model, plain)
+    out["early"]["torch: plain zero"] = error_of(ddp_zero_hook.hook_with_zero_step, allreduce_hook, model,
+                                                 TorchZero(net.parameters(), torch.optim.Adam, lr=0.01))
     model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, zero))
     for batch in rank_batches(4, rank):
         zero.zero_grad()
@@ -199,6 +203,9 @@ def test_state_dict_and_early_errors_as_torchs(ranks):
                                            "ZeroRedundancyOptimizer instance has been fully initialized")
     assert out["early"]["add_param_group"] == ("RuntimeError", "ZeroRedundancyOptimizer with "
                                                "`overlap_with_ddp=True` only supports a single parameter group")
+    assert out["early"]["plain zero"] == out["early"]["torch: plain zero"] == (
+        "ValueError", "ZeroRedundancyOptimizer must be constructed with `overlap_with_ddp=True` to use this hook "
+        "properly")
     assert out["step_returns"] is None
     assert out["step_warning"] == ["`step()` should not be included in the training loop when "
                                    "`overlap_with_ddp=True`"]
