@@ -41,6 +41,10 @@ class Step:
         self.forward_root: ModuleState | None = None  # the outermost forward now running
         self.forward_order: list[Unit] = []  # units by the end of their forward, this step
         self.callback_queued = False
+        self.reduces: list = []  # the reduce-scatters in flight, shared by every unit
+        for state in states:
+            if state.unit is not None:
+                state.unit.reduces = self.reduces
 
     def end_backward(self) -> None:
         """At the end of autograd's run: post_backward where autograd did not call it, wait for
@@ -49,8 +53,9 @@ class Step:
         for unit in units:
             if unit.phase != Phase.POST_BACKWARD:
                 unit.post_backward()  # ranks meet here (its reduce-scatter)
+        while self.reduces:
+            self.reduces.pop(0).wait()
         for unit in units:
-            unit.wait_for_reduce()
             unit.phase = Phase.IDLE
             unit.forward_indices.clear()
         for state in self.states:

@@ -58,7 +58,9 @@ class Unit:
         self.phase = Phase.IDLE
         self.is_unsharded = False
         self.gather: Gather | None = None  # an all-gather started early (prefetch), not waited yet
-        self.reduce: ReduceScatter | None = None  # this backward's reduce-scatter, in flight
+        # reduce-scatters in flight, shared by the units of one root (its Step sets it): at most
+        # one, as FSDP2 by default, since each holds a buffer the size of its unit's gradients
+        self.reduces: list[ReduceScatter] = []
         self.forward_indices: list[int] = []  # where this unit sits in the step's forward order
 
     def unshard(self, async_op: bool = False) -> None:
@@ -130,15 +132,11 @@ class Unit:
         if self.reshard_after_backward:
             self.reshard()
         if grads:
-            self.wait_for_reduce()  # a second use of the unit in this backward: the first's first
+            while self.reduces:  # the previous unit's: its .grad are set now, its buffer freed
+                self.reduces.pop(0).wait()
             # ranks meet here; autograd goes on with the rest of backward while it runs
-            self.reduce = ReduceScatter(with_grad, grads, self.group, self.world, async_op=True)
-
-    def wait_for_reduce(self) -> None:
-        """Finish the reduce-scatter in flight, if any: the DTensors' .grad are set after it."""
-        if self.reduce is not None:
-            self.reduce.wait()
-            self.reduce = None
+            self.reduces.append(ReduceScatter(with_grad, grads, self.group, self.world,
+                                              async_op=True))
 
     def _hook_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Pass the inputs that require grad through PostBackward (its backward: post_backward)."""
