@@ -1,4 +1,4 @@
-"""minidp.fully_shard against torch's fully_shard (FSDP2), the oracle: same shards, weights, traffic.
+"""minidp.fully_shard against torch's FSDP2 fully_shard, the oracle: same shards, weights, traffic.
 
 One launch per world size (1-4): each rank builds the same model twice (two residual blocks,
 each its own unit, then the root over an input layer and a head), shards it with minidp's
