@@ -52,6 +52,7 @@ class Case(NamedTuple):
     accumulate: int = 1  # micro-batches a step; the first without gradient sync
     mp: MixedPrecisionPolicy = NO_MP
     tied: bool = False  # TiedNet: a tied weight used twice and an unused layer in the root's unit
+    prefetch: bool = False  # explicit prefetch: block 1's gather in block 0's forward, and back
 
 
 CASES = {
@@ -60,7 +61,7 @@ CASES = {
     "sgd": Case("sgd"),
     "sgd-keep-clip": Case("sgd", reshard=False, clip=True),
     "adamw-tied-unused": Case("adamw", tied=True),
-    "adamw-default-accumulate": Case("adamw", reshard=None, accumulate=2),
+    "adamw-default-accumulate": Case("adamw", reshard=None, accumulate=2, prefetch=True),
     # bf16 weights in forward and backward, fp32 shards, optimizer and reduction
     "adamw-bf16-fp32": Case("adamw", mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                             reduce_dtype=torch.float32)),
@@ -163,6 +164,9 @@ def _tracing(in_flight=None):
 
 def _train(engine, case, mesh, rank):
     net = _sharded(engine, mesh, case.reshard, case.mp, case.tied)
+    if case.prefetch:
+        net.blocks[0].set_modules_to_forward_prefetch([net.blocks[1]])
+        net.blocks[1].set_modules_to_backward_prefetch([net.blocks[0]])
     optimizer_class, defaults = OPTIMIZERS[case.optim]
     opt = optimizer_class(net.parameters(), **defaults)
     out = {"layout": _layout(net), "kinds": [], "losses": []}

@@ -8,8 +8,9 @@
 
 After it, the module's parameters are DTensors sharded on dim 0 (FSDP2's layout, padding included),
 and the module has FSDP2's methods unshard(), reshard(), set_requires_gradient_sync(),
-set_reshard_after_forward() and set_reshard_after_backward(), bound to the instance (minidp builds
-no class at runtime; FSDP2 swaps the module's class for an FSDP subclass).
+set_reshard_after_forward(), set_reshard_after_backward(), set_modules_to_forward_prefetch() and
+set_modules_to_backward_prefetch(), bound to the instance (minidp builds no class at runtime;
+FSDP2 swaps the module's class for an FSDP subclass).
 """
 from __future__ import annotations
 
@@ -181,6 +182,26 @@ def set_reshard_after_backward(self: nn.Module, reshard_after_backward: bool, *,
             state.unit.reshard_after_backward = reshard_after_backward
 
 
+def set_modules_to_forward_prefetch(self: nn.Module, modules: list) -> None:
+    """After this module's gather in forward, start the gathers of `modules` (fully_shard'ed, run
+    next), so that they overlap this module's forward (FSDP2's explicit forward prefetch)."""
+    state_of(self).forward_prefetch = _units_of(modules)
+
+
+def set_modules_to_backward_prefetch(self: nn.Module, modules: list) -> None:
+    """After this module's gather in backward, start the gathers of `modules` instead of the
+    default (the module whose forward ran before this one's)."""
+    state_of(self).backward_prefetch = _units_of(modules)
+
+
+def _units_of(modules: list) -> list:
+    states = [state_of(m) for m in modules]
+    for module, state in zip(modules, states):
+        if state is None:
+            raise ValueError(f"Expects a module that minidp.fully_shard sharded but got {module}")
+    return [s.unit for s in states if s.unit is not None]
+
+
 class _Done:
     """The handle unshard(async_op=True) returns: the gather has already happened."""
 
@@ -189,4 +210,6 @@ class _Done:
 
 
 _METHODS = {f.__name__: f for f in (unshard, reshard, set_requires_gradient_sync,
-                                    set_reshard_after_forward, set_reshard_after_backward)}
+                                    set_reshard_after_forward, set_reshard_after_backward,
+                                    set_modules_to_forward_prefetch,
+                                    set_modules_to_backward_prefetch)}

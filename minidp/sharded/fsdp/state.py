@@ -80,6 +80,8 @@ class ModuleState:
         cast_inputs = mp_policy.cast_forward_inputs and mp_policy.param_dtype is not None
         self.input_dtype = mp_policy.param_dtype if cast_inputs else None
         self.output_dtype = mp_policy.output_dtype
+        self.forward_prefetch: list[Unit] = []  # set_modules_to_forward_prefetch
+        self.backward_prefetch: list[Unit] | None = None  # set_modules_to_backward_prefetch
         self.is_root: bool | None = None  # decided at the first forward
         self.step: Step | None = None
         self.phase = Phase.IDLE
@@ -121,6 +123,8 @@ class ModuleState:
             self.step.forward_root = self
         if self.unit is not None:
             args, kwargs = self.unit.pre_forward(args, kwargs)  # ranks meet here (all-gather)
+        for unit in self.forward_prefetch:
+            unit.unshard(async_op=True)  # ranks meet here (started)
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, output):
@@ -147,5 +151,6 @@ class ModuleState:
             self.step.callback_queued = True
             Variable._execution_engine.queue_callback(self.step.end_backward)
         if self.unit is not None:
-            self.unit.pre_backward(self.step.forward_order)  # ranks meet here (all-gathers)
+            # ranks meet here (all-gathers)
+            self.unit.pre_backward(self.step.forward_order, self.backward_prefetch)
         return grad

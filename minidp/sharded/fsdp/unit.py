@@ -102,17 +102,19 @@ class Unit:
             self.reshard()
         self.phase = Phase.IDLE
 
-    def pre_backward(self, forward_order: list) -> None:
-        """Gather (or finish the prefetch), then prefetch the unit whose forward ran just before
-        this one's: its backward comes next (FSDP2's default backward prefetch)."""
+    def pre_backward(self, forward_order: list, prefetch: list | None = None) -> None:
+        """Gather (or finish the prefetch), then start the gathers of the units in `prefetch`
+        (default None: the unit whose forward ran just before this one's, whose backward comes
+        next; FSDP2's default backward prefetch)."""
         if self.phase == Phase.PRE_BACKWARD:
             return  # one of several outputs already did it
         self.phase = Phase.PRE_BACKWARD
         self.unshard()
-        if self.forward_indices:
-            index = self.forward_indices.pop()
-            if index > 0:
-                forward_order[index - 1].unshard(async_op=True)  # ranks meet here (started)
+        if prefetch is None:
+            index = self.forward_indices.pop() if self.forward_indices else 0
+            prefetch = [forward_order[index - 1]] if index > 0 else []
+        for unit in prefetch:
+            unit.unshard(async_op=True)  # ranks meet here (started)
 
     def post_backward(self) -> None:
         """Reshard and reduce-scatter the gradients; idempotent within one backward."""
