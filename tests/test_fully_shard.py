@@ -3,7 +3,7 @@
 One launch per world size (1-4): each rank builds the same model twice (two residual blocks,
 each its own unit, then the root over an input layer and a head), shards it with minidp's
 fully_shard and with torch's, trains both on the same batches, and returns plain results; the tests
-below only compare them. Layer sizes are odd (7, 15, 3 rows), so dim 0 never divides the world size
+below only compare them. Layer sizes are odd (7, 15, 11, 3 rows), so dim 0 never divides the world size
 evenly: padded shards, and at 4 ranks a rank with no rows of the head at all. Four ranks on two
 cores make every collective slow, so the launch at 4 runs only the cases in QUICK.
 """
@@ -52,7 +52,9 @@ class Case(NamedTuple):
     accumulate: int = 1  # micro-batches a step; the first without gradient sync
     mp: MixedPrecisionPolicy = NO_MP
     tied: bool = False  # TiedNet: a tied weight used twice and an unused layer in the root's unit
-    prefetch: bool = False  # explicit prefetch: block 1's gather in block 0's forward, and back
+    # explicit prefetch, out of the default order: the root starts block 1's gather in forward
+    # (before block 0's) and block 0's in backward (before block 1's)
+    prefetch: bool = False
 
 
 CASES = {
@@ -76,9 +78,9 @@ QUICK = ("adamw", "sgd-keep-clip")  # the cases run at 4 ranks
 
 
 class Block(nn.Module):
-    def __init__(self, width):
+    def __init__(self, width, hidden):
         super().__init__()
-        self.up, self.down = nn.Linear(width, 2 * width + 1), nn.Linear(2 * width + 1, width)
+        self.up, self.down = nn.Linear(width, hidden), nn.Linear(hidden, width)
 
     def forward(self, x):
         return x + self.down(torch.tanh(self.up(x)))
@@ -90,7 +92,7 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(8, 7)
-        self.blocks = nn.ModuleList(Block(7) for _ in range(2))
+        self.blocks = nn.ModuleList([Block(7, 15), Block(7, 11)])  # sizes tell them apart
         self.head = nn.Linear(7, 3)
 
     def forward(self, x):
@@ -165,8 +167,8 @@ def _tracing(in_flight=None):
 def _train(engine, case, mesh, rank):
     net = _sharded(engine, mesh, case.reshard, case.mp, case.tied)
     if case.prefetch:
-        net.blocks[0].set_modules_to_forward_prefetch([net.blocks[1]])
-        net.blocks[1].set_modules_to_backward_prefetch([net.blocks[0]])
+        net.set_modules_to_forward_prefetch([net.blocks[1]])
+        net.set_modules_to_backward_prefetch([net.blocks[0]])
     optimizer_class, defaults = OPTIMIZERS[case.optim]
     opt = optimizer_class(net.parameters(), **defaults)
     out = {"layout": _layout(net), "kinds": [], "losses": []}
