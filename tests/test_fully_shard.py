@@ -4,8 +4,8 @@ One launch per world size (1-4): each rank builds the same model twice (two resi
 each its own unit, then the root over an input layer and a head), shards it with minidp's
 fully_shard and with torch's, trains both on the same batches, and returns plain results; the tests
 below only compare them. Layer sizes are odd (7, 15, 11, 3 rows): at 2 and 4 ranks every shard
-is padded, at 3 all but the 15- and 3-row ones, and at 4 one rank holds no row of the head. Four ranks
-on two cores make every collective slow, so the launch at 4 runs only the cases in QUICK.
+is padded, at 3 all but the 15- and 3-row ones, and at 4 one rank holds no row of the head. Four
+ranks on two cores make every collective slow, so the launch at 4 runs only the cases in QUICK.
 """
 from __future__ import annotations
 
