@@ -99,8 +99,16 @@ HOOK_CASES = {  # name: (hook, register twice, also run under torch DDP)
 }
 
 
+def _logged_error(engine):
+    """_get_ddp_logging_data()'s error keys after a call whose error torch DDP logs (a bad sample rate)."""
+    model = engine(build("mlp"))
+    error_of(model._set_ddp_runtime_logging_sample_rate, 0)
+    data = model._get_ddp_logging_data()
+    return data.get("has_error"), data.get("error")
+
+
 def _hook_worker():
-    out = {}
+    out = {label: _logged_error(engine) for label, engine in (("minidp", minidp.DDP), ("torch", TorchDDP))}
     for name, (hook, twice, with_torch) in HOOK_CASES.items():
         engines = {"minidp": minidp.DDP, "torch": TorchDDP} if with_torch else {"minidp": minidp.DDP}
         for label, engine in engines.items():
@@ -111,7 +119,9 @@ def _hook_worker():
 
 def test_comm_hook_contract_errors_as_torch_ddp():
     results = run_ranks(_hook_worker, 2, timeout=200)
-    for res in results:
+    for res in results:  # an error torch DDP logs (_log_and_throw) is in the logging data, as torch's
+        assert res["minidp"] == res["torch"] == (
+            1, "<class 'ValueError'>: DDP runtime logging sample rate should be equal or greater than 1")
         for name, (_, _, with_torch) in HOOK_CASES.items():
             ours = res[name, "minidp"]
             if with_torch:  # the same outcome: the same exception type, or gradients bitwise equal

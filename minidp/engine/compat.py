@@ -15,7 +15,8 @@ from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from .delayed import DelayedAllReduce
 from .devices import move_inputs
-from .logging_data import RuntimeSamples, logging_data, set_sample_rate
+from .hook_checks import check_comm_hook
+from .logging_data import RuntimeSamples, log_and_raise, logging_data, set_sample_rate
 from .static_graph import set_static_graph
 
 
@@ -122,6 +123,17 @@ class TorchCompat:
         """torch DDP's logging dictionary: the keys minidp knows, with torch's values (logging_data.py)."""
         return logging_data(self)
 
+    def _log_and_throw(self, err_type: type, err_msg: str):
+        """Raise err_type(err_msg), reported by _get_ddp_logging_data() as "has_error"/"error" (torch's)."""
+        log_and_raise(self, err_type, err_msg)
+
+    def _check_comm_hook(self, hook) -> None:
+        """torch DDP's registration checks of a comm hook (hook_checks.py), their errors logged as torch's."""
+        try:
+            check_comm_hook(hook)
+        except (TypeError, ValueError) as exc:
+            self._log_and_throw(type(exc), str(exc))
+
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """Sample the runtime values at iterations 1 to 10, then every `sample_rate`-th (100)."""
         set_sample_rate(self, sample_rate)
@@ -141,9 +153,9 @@ class TorchCompat:
         They hold live communication state (futures, hooks on this process's parameters); a loaded
         copy rebuilds them on the default process group (`__setstate__`), with no collective.
         """
-        if self.process_group != dist.group.WORLD:
-            raise RuntimeError("minidp.DDP can be pickled only on the default process group (as torch DDP): "
-                               f"this one was built with process_group={self.process_group!r}")
+        if self.process_group != dist.group.WORLD:  # logged, as torch DDP's
+            self._log_and_throw(RuntimeError, "minidp.DDP can be pickled only on the default process group "
+                                f"(as torch DDP): this one was built with process_group={self.process_group!r}")
         for keyword in ("delay_all_reduce_named_params", "mixed_precision"):  # hooks on this process's tensors
             if self.torch_keywords[keyword] is not None:
                 raise RuntimeError(f"a minidp.DDP built with {keyword} cannot be pickled. "

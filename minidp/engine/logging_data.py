@@ -8,7 +8,9 @@ rebuild): at iterations 1 to 10, then every `sample_rate`-th (model._set_ddp_run
 avg_*: minidp measures none; model.enable_timeline() records its own), gloo_num_threads and the
 nccl_* settings (the process group's, not minidp's), unused_parameter_size and
 prev_iteration_grad_ready_order_indices (minidp keeps no record of past steps), join_uneven_inputs,
-and can_set_static_graph (which torch 2.14 documents but no longer reports).
+and can_set_static_graph (which torch 2.14 documents but no longer reports). An error raised through
+`model._log_and_throw` (compat.py; torch DDP's private method) is reported as torch's logger reports
+it: "has_error": 1 and "error": "<class 'ValueError'>: message" (the last one).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class RuntimeSamples:
     def __init__(self, ddp):
         self.sample_rate = 100  # torch's kDDPRuntimeLoggingSampleRate
         self.sample = {}
+        self.error = None  # the last error raised through log_and_raise, in torch's format
         ddp.register_forward_pre_hook(self.before_forward)
 
     def before_forward(self, ddp, inputs) -> None:
@@ -104,11 +107,19 @@ def logging_data(ddp) -> dict:
         hook = reducer.comm_hook
         data["comm_hook"] = ddp._builtin_hook_name or getattr(hook, "__qualname__", repr(hook))
     data.update(ddp._logging.sample)
+    if ddp._logging.error is not None:  # torch's logger: set_error_and_log
+        data.update({"has_error": 1, "error": ddp._logging.error})
     return data
+
+
+def log_and_raise(ddp, err_type: type, message: str):
+    """Raise err_type(message), first noting it for _get_ddp_logging_data() (torch DDP's _log_and_throw)."""
+    ddp._logging.error = f"{err_type}: {message}"  # torch's format: "<class 'ValueError'>: ..."
+    raise err_type(message)
 
 
 def set_sample_rate(ddp, sample_rate: int) -> None:
     """torch DDP's _set_ddp_runtime_logging_sample_rate."""
     if sample_rate < 1:
-        raise ValueError("DDP runtime logging sample rate should be equal or greater than 1")
+        log_and_raise(ddp, ValueError, "DDP runtime logging sample rate should be equal or greater than 1")
     ddp._logging.sample_rate = sample_rate
