@@ -24,18 +24,24 @@ The pieces (GRACE's split, run inside DDP's buckets):
                   contexts, the byte check)
   averaging.py    PeriodicAverager (local SGD, the baseline)
   diloco.py       DiLoCo (local steps, an outer optimizer on the pseudo-gradient every `period` steps)
+  streaming_diloco.py  StreamingDiLoCo (DiLoCo synced fragment by fragment, overlapped, in 4 bits)
+  demo.py         DeMo (an optimizer: each rank's momentum, top-k DCT coefficients all-gathered, sign steps)
+  onebit_adam.py  OneBitAdam (an optimizer: Adam for a warm-up, then 1-bit momentum through Sign's stages)
 """
 from .averaging import PeriodicAverager
 from .compressors import BF16, FP16, QSGD, RandomK, TopK
 from .context import Context
 from .cupy_nccl import CupyNccl
+from .demo import DeMo
 from .diloco import DiLoCo
 from .exchange import Channel, Job
 from .hook import CompressionState, compression_hook
 from .interfaces import Compressor, MultiRound
 from .memory import ErrorFeedback, Memory
+from .onebit_adam import OneBitAdam
 from .powersgd import PowerSGD
 from .sign import Sign
+from .streaming_diloco import StreamingDiLoCo
 from .transports import TorchDist, Transport, allreduce_hook
 
 __all__ = [
@@ -47,15 +53,18 @@ __all__ = [
     "Compressor",
     "Context",
     "CupyNccl",
+    "DeMo",
     "DiLoCo",
     "ErrorFeedback",
     "Job",
     "Memory",
     "MultiRound",
+    "OneBitAdam",
     "PeriodicAverager",
     "PowerSGD",
     "RandomK",
     "Sign",
+    "StreamingDiLoCo",
     "TopK",
     "TorchDist",
     "Transport",
