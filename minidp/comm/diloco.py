@@ -101,30 +101,55 @@ class DiLoCo:
         """
         if self.global_params is None:
             return False
-        means = self._all_reduce_mean()  # ranks meet here
+        every = range(len(self.params))
+        means = self._finish_mean(self._start_mean(every))  # ranks meet here
+        # global - mean: the paper's outer gradient
+        self._outer_step(every, torch._foreach_sub(self.global_params, [means[i] for i in every]))
+        return True
+
+    def _outer_step(self, indices, pseudo: list[torch.Tensor]) -> None:
+        """The outer optimizer steps the global parameters self.params[i], i in `indices`, on `pseudo`.
+
+        The parameters take the global values and step (the others' .grad is None meanwhile, so the
+        optimizer skips them); their .grad tensors are put back, and the result is the new global.
+        """
+        params = [self.params[i] for i in indices]
         kept = [p.grad for p in self.params]
-        pseudo = torch._foreach_sub(self.global_params, means)  # global - mean: the paper's outer gradient
-        torch._foreach_copy_(self.params, self.global_params)  # the outer optimizer steps the global parameters
-        for p, g in zip(self.params, pseudo):
+        torch._foreach_copy_(params, [self.global_params[i] for i in indices])
+        for p in self.params:
+            p.grad = None
+        for p, g in zip(params, pseudo):
             p.grad = g
         try:
             self.outer_optimizer.step()
         finally:
             for p, g in zip(self.params, kept):  # the same tensor objects as before: the inner gradients
                 p.grad = g
-        torch._foreach_copy_(self.global_params, self.params)
-        return True
+        torch._foreach_copy_([self.global_params[i] for i in indices], params)
 
-    def _all_reduce_mean(self) -> list[torch.Tensor]:
-        """The mean of every rank's trainable parameters, in self.params order (divide, then sum)."""
-        means: list = [None] * len(self.params)
-        world = dist.get_world_size(self.group)
-        for indices in self._kinds:
-            flat = torch.cat([self.params[i].detach().reshape(-1) for i in indices])
+    def _start_mean(self, indices) -> list:
+        """Start the mean over ranks of self.params[i], i in `indices` (async; divide, then sum).
+
+        One flat buffer per (dtype, device); its bytes are counted now. _finish_mean waits for it.
+        """
+        chosen, world, pending = set(indices), dist.get_world_size(self.group), []
+        for kind in self._kinds:
+            mine = [i for i in kind if i in chosen]
+            if not mine:
+                continue
+            flat = torch.cat([self.params[i].detach().reshape(-1) for i in mine])
             flat /= world  # as torch's PeriodicModelAverager: divide first, then sum
-            dist.all_reduce(flat, group=self.group)  # ranks meet here: every rank's parameters summed
+            work = dist.all_reduce(flat, group=self.group, async_op=True)  # ranks meet here
             self.bytes_sent += flat.numel() * flat.element_size()
-            for i, piece in zip(indices, flat.split([self.params[i].numel() for i in indices])):
+            pending.append((mine, flat, work))
+        return pending
+
+    def _finish_mean(self, pending: list) -> dict[int, torch.Tensor]:
+        """Wait for what _start_mean started; the mean of each parameter, by its index in self.params."""
+        means = {}
+        for mine, flat, work in pending:
+            work.wait()  # every rank's parameters summed
+            for i, piece in zip(mine, flat.split([self.params[i].numel() for i in mine])):
                 means[i] = piece.view_as(self.params[i])
         return means
 
