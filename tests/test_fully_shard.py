@@ -10,7 +10,9 @@ ranks on two cores make every collective slow, so the launch at 4 runs only the 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import re
+import time
 from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
@@ -23,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
@@ -62,7 +64,7 @@ CASES = {
     "adamw-keep": Case("adamw", reshard=False),
     "sgd": Case("sgd"),
     "sgd-keep-clip": Case("sgd", reshard=False, clip=True),
-    "adamw-tied-unused": Case("adamw", tied=True),
+    "adamw-tied-unused-keep": Case("adamw", reshard=False, tied=True),
     "adamw-default-accumulate": Case("adamw", reshard=None, accumulate=2, prefetch=True),
     # bf16 weights in forward and backward, fp32 shards, optimizer and reduction
     "adamw-bf16-fp32": Case("adamw", mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -260,6 +262,19 @@ def _states(net, opt):
     return {"model": model, "optim": optim}
 
 
+def _hang(rank):
+    """Rank 1 skips a forward: rank 0's all-gather times out (a group with a 1 s timeout), and its
+    error names rank 1 (minidp's watchdog). Returns rank 0's error as (type, message)."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    net = _sharded("minidp", DeviceMesh.from_group(group, "cpu"), True)
+    x = torch.randn(4, 8)
+    net(x).sum().backward()
+    if rank == 1:
+        time.sleep(2)  # alive, elsewhere, past rank 0's timeout
+        return None
+    return error_of(net, x)
+
+
 def _worker(folder):
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -269,7 +284,8 @@ def _worker(folder):
     checkpoint = {} if dist.get_world_size() == 4 else {
         "torch->minidp": _checkpoint("torch", "minidp", mesh, rank, f"{folder}/a"),
         "minidp->torch": _checkpoint("minidp", "torch", mesh, rank, f"{folder}/b")}
-    return {"training": training, "checkpoint": checkpoint, "errors": _bad_input(mesh)}
+    return {"training": training, "checkpoint": checkpoint, "errors": _bad_input(mesh),
+            "hang": _hang(rank) if dist.get_world_size() == 2 else None}
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"ws{n}")
@@ -404,3 +420,12 @@ def test_checkpoint_moves_between_torch_and_minidp(ranks, direction):
         got = out["checkpoint"][direction]
         assert _same(got["minidp"], got["torch"]), (direction, rank)
         assert len(got["minidp"][1]["state"]) == 12, rank  # every parameter's AdamW state
+
+
+def test_a_rank_that_does_not_arrive_is_named(ranks):
+    if len(ranks) != 2:
+        pytest.skip("runs at 2 ranks")
+    kind, message = ranks[0]["hang"]
+    assert kind == "RuntimeError", message
+    assert "waited in vain in minidp.fully_shard's all-gather" in message, message
+    assert "ranks that did not arrive: [1]" in message, message

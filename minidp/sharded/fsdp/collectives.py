@@ -15,6 +15,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ReduceOp
 
+from minidp.runtime.watchdog import naming_laggards
+
+# what a failed collective's error says the ranks were meeting in (the watchdog's report follows)
+GATHER = "minidp.fully_shard's all-gather of a unit's parameters"
+REDUCE = "minidp.fully_shard's reduce-scatter of a unit's gradients"
+
 
 class Gather:
     """One unit's all-gather: __init__ starts it (async_op=True: it runs while the caller
@@ -34,12 +40,15 @@ class Gather:
             torch.cat([t.view(torch.uint8) if self.as_bytes else t for t in inputs], out=mine)
         self.work = None
         if world > 1:  # ranks meet here
-            self.work = dist.all_gather_single(self.output, mine, group=group, async_op=async_op)
+            with naming_laggards(GATHER):
+                self.work = dist.all_gather_single(self.output, mine, group=group,
+                                                   async_op=async_op)
 
     @torch.no_grad()
     def wait(self) -> None:
         if self.work is not None:
-            self.work.wait()
+            with naming_laggards(GATHER):
+                self.work.wait()
         rows = self.output.view(self.world, self.per_rank).split(self.sizes, dim=1)
         for p, block in zip(self.params, rows):
             full = p.alloc_unsharded()
@@ -93,8 +102,9 @@ class ReduceScatter:
         self.mine = self.scatter.new_empty(per_rank)
         self.work = None
         if world > 1:  # ranks meet here
-            self.work = dist.reduce_scatter_single(self.mine, self.scatter.view(-1), op=op,
-                                                   group=group, async_op=async_op)
+            with naming_laggards(REDUCE):
+                self.work = dist.reduce_scatter_single(self.mine, self.scatter.view(-1), op=op,
+                                                       group=group, async_op=async_op)
         else:
             self.mine.copy_(self.scatter.view(-1))
         if not async_op:
@@ -106,7 +116,8 @@ class ReduceScatter:
         if self.mine is None:
             return
         if self.work is not None:
-            self.work.wait()
+            with naming_laggards(REDUCE):
+                self.work.wait()
         mine, self.mine, self.scatter = self.mine, None, None
         if self.post is not None and self.post != 1:
             mine.div_(self.post)

@@ -15,6 +15,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
+from minidp.runtime import watchdog
+
 from .unit import Phase, Unit
 
 STATE_ATTRIBUTE = "_minidp_fully_shard"  # where a module keeps its ModuleState
@@ -42,6 +44,7 @@ class Step:
         self.forward_order: list[Unit] = []  # units by the end of their forward, this step
         self.callback_queued = False
         self.reduces: list = []  # the reduce-scatters in flight, shared by every unit
+        self.iteration = 0  # forwards of the root so far: what the watchdog says a rank is at
         for state in states:
             if state.unit is not None:
                 state.unit.reduces = self.reduces
@@ -55,6 +58,7 @@ class Step:
                 unit.post_backward()  # ranks meet here (its reduce-scatter)
         while self.reduces:
             self.reduces.pop(0).wait()
+        self.record("after backward")
         for unit in units:
             unit.phase = Phase.IDLE
             unit.forward_indices.clear()
@@ -62,6 +66,13 @@ class Step:
             state.phase = Phase.IDLE
         self.forward_order.clear()
         self.callback_queued = False
+
+
+    def record(self, phase: str) -> None:
+        """Tell minidp's watchdog (if minidp.init started one) where this rank is: a failed
+        collective's error then names the ranks behind it, and where they are."""
+        if watchdog.current() is not None:
+            watchdog.current().progress.update(self.iteration, phase)
 
 
 class ModuleState:
@@ -121,6 +132,8 @@ class ModuleState:
         self._lazy_init()
         if self.step.forward_root is None:
             self.step.forward_root = self
+            self.step.iteration += 1
+            self.step.record("forward")
         if self.unit is not None:
             args, kwargs = self.unit.pre_forward(args, kwargs)  # ranks meet here (all-gather)
         for unit in self.forward_prefetch:
@@ -150,6 +163,7 @@ class ModuleState:
         if not self.step.callback_queued:
             self.step.callback_queued = True
             Variable._execution_engine.queue_callback(self.step.end_backward)
+            self.step.record("backward")
         if self.unit is not None:
             # ranks meet here (all-gathers)
             self.unit.pre_backward(self.step.forward_order, self.backward_prefetch)
