@@ -25,11 +25,11 @@ from minidp.comm.streaming_diloco import decode_e3m0, encode_e3m0, plan_fragment
 from training import bitwise_equal, rank_batches, snapshot, train
 
 H, STEPS, LAYERS = 6, 14, 6  # two or three syncs of each fragment, one in flight at the end
-CASES = {  # name: (fragments, sync_delay, quantize_bits, mixing)
-    "f2-tau1": (2, 1, None, 0.5),
+CASES = {  # name: (fragments, sync_delay, quantize_bits, mixing); not only 0.5, which is symmetric
+    "f2-tau1": (2, 1, None, 0.25),
     "f2-tau1-4bit": (2, 1, 4, 0.5),
     "f3-tau2": (3, 2, None, 0.0),
-    "f3-tau2-4bit": (3, 2, 4, 0.5),
+    "f3-tau2-4bit": (3, 2, 4, 0.25),
 }
 GRID = torch.tensor([0.0] + [2.0 ** -j for j in (6, 5, 4, 3, 2, 1, 0)])  # E3M0's magnitudes
 
