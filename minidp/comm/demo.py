@@ -41,7 +41,7 @@ def block_size(n: int, target: int) -> int:
 
 
 def dct_matrix(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The orthonormal DCT-II matrix C (n x n), made in float64: coefficients = C x, x = C^T coefficients."""
+    """The orthonormal DCT-II matrix C (n x n), made in float64: coefficients C x, inverse C^T."""
     k = torch.arange(n, dtype=torch.float64)[:, None]
     i = torch.arange(n, dtype=torch.float64)[None, :]
     c = torch.cos(math.pi * (2 * i + 1) * k / (2 * n)) * math.sqrt(2 / n)
@@ -51,7 +51,7 @@ def dct_matrix(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 @dataclass
 class Chunks:
-    """How one parameter is cut into h x w blocks of a rows x cols matrix, and the DCT of each block."""
+    """How a parameter is cut into h x w blocks of a rows x cols matrix; each block's DCT."""
 
     shape: torch.Size
     rows: int
@@ -78,7 +78,7 @@ class Chunks:
 
 
 class DeMo(torch.optim.Optimizer):
-    """Decoupled Momentum Optimization: sign steps from the all-gathered top-k DCT of each rank's momentum.
+    """Decoupled Momentum Optimization: sign steps from every rank's top-k DCT of its momentum.
 
     Every rank must construct it (its transport makes a process group) and call step() for the
     same parameters: a missing gradient counts as zero, so the collectives match on every rank.
@@ -100,13 +100,15 @@ class DeMo(torch.optim.Optimizer):
         opt.stats()                           # {"steps", "bytes_sent", "bytes_received", ...}
     """
 
-    def __init__(self, params, lr: float, compression_decay: float = 0.999, compression_topk: int = 32,
-                 compression_chunk: int = 64, weight_decay: float = 0.0, process_group=None):
+    def __init__(self, params, lr: float, compression_decay: float = 0.999,
+                 compression_topk: int = 32, compression_chunk: int = 64,
+                 weight_decay: float = 0.0, process_group=None):
         check_number("lr", lr, positive=True)
         check_number("weight_decay", weight_decay, low=0.0)
         self.decay = check_number("compression_decay", compression_decay, low=0.0)
         if not self.decay < 1:
-            raise ValueError(f"compression_decay={compression_decay!r} must be < 1 (the authors' bound)")
+            raise ValueError(f"compression_decay={compression_decay!r} must be < 1 "
+                             "(the authors' bound)")
         self.topk = check_int("compression_topk", compression_topk, low=1)
         self.chunk = check_int("compression_chunk", compression_chunk, low=1)
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
@@ -121,8 +123,8 @@ class DeMo(torch.optim.Optimizer):
             rows = p.shape[0] if p.dim() > 1 else 1
             cols = p.numel() // rows
             h, w = block_size(rows, self.chunk), block_size(cols, self.chunk)
-            self._chunks[key] = Chunks(p.shape, rows, cols, h, w, min(self.topk, h * w),
-                                       dct_matrix(h, p.dtype, p.device), dct_matrix(w, p.dtype, p.device))
+            c_h, c_w = dct_matrix(h, p.dtype, p.device), dct_matrix(w, p.dtype, p.device)
+            self._chunks[key] = Chunks(p.shape, rows, cols, h, w, min(self.topk, h * w), c_h, c_w)
         return self._chunks[key]
 
     @torch.no_grad()
@@ -138,10 +140,12 @@ class DeMo(torch.optim.Optimizer):
             return loss
         self.steps += 1
         before = self.channel.bytes_sent
-        payload = [part for _, _, chunks, idx, val in sent for part in (idx.to(chunks.index_dtype), val)]
-        gathered = self.channel.all_gather_parts(payload)  # ranks meet here: every rank's coefficients
-        self.bytes_received += self.channel.transport.world_size * (self.channel.bytes_sent - before)
-        for i, (p, lr, chunks, idx, val) in enumerate(sent):
+        payload = [part for _, _, chunks, idx, val in sent
+                   for part in (idx.to(chunks.index_dtype), val)]
+        gathered = self.channel.all_gather_parts(payload)  # ranks meet here: every rank's payload
+        world_size = self.channel.transport.world_size
+        self.bytes_received += world_size * (self.channel.bytes_sent - before)
+        for i, (p, lr, chunks, _, val) in enumerate(sent):
             every_idx = torch.cat([parts[2 * i].long() for parts in gathered], dim=-1)  # rank order
             every_val = torch.cat([parts[2 * i + 1] for parts in gathered], dim=-1)
             mean = val.new_zeros((*val.shape[:-1], chunks.h * chunks.w))
@@ -151,7 +155,7 @@ class DeMo(torch.optim.Optimizer):
         return loss
 
     def _compress(self, p: torch.Tensor, group: dict):
-        """Decay p, update its momentum, take out the top-k coefficients: (chunks, indices, values)."""
+        """Decay p, update its momentum, take its top-k out: (chunks, indices, values)."""
         lr, state = group["lr"], self.state[p]
         if "delta" not in state:
             state["delta"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
@@ -168,17 +172,17 @@ class DeMo(torch.optim.Optimizer):
         return chunks, idx, val
 
     def stats(self) -> dict:
-        """This rank since the start: steps, bytes sent and received, what DDP's all-reduce would send.
+        """This rank since the start: steps, bytes sent, received, and DDP's all-reduce would send.
 
-        bytes_received counts the all-gather's whole output (this rank's own part too, as the authors'
-        data_receive does): world_size times bytes_sent.
+        bytes_received counts the all-gather's whole output (this rank's own part too, as the
+        authors' data_receive does): world_size times bytes_sent.
         """
         sent, dense = self.channel.bytes_sent, self.bytes_dense
         return {"steps": self.steps, "bytes_sent": sent, "bytes_received": self.bytes_received,
                 "bytes_dense": dense, "ratio": sent / dense if dense else 0.0}
 
     def state_dict(self) -> dict:
-        """torch's optimizer state (each parameter's momentum `delta`), plus steps and byte counters."""
+        """torch's optimizer state (each parameter's momentum `delta`), steps, byte counters."""
         state = super().state_dict()
         state["demo"] = {"steps": self.steps, "bytes_sent": self.channel.bytes_sent,
                          "bytes_received": self.bytes_received, "bytes_dense": self.bytes_dense}

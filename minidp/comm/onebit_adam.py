@@ -32,7 +32,7 @@ from .transports import TorchDist
 
 
 class ReceivingChannel(Channel):
-    """A Channel that also counts the bytes of every collective's output on this rank (bytes_received)."""
+    """A Channel that also counts the bytes of each collective's output here (bytes_received)."""
 
     def __init__(self, transport):
         super().__init__(transport)
@@ -53,7 +53,7 @@ class ReceivingChannel(Channel):
 
 
 class OneBitAdam(torch.optim.Optimizer):
-    """1-bit Adam (Tang et al. 2021): Adam on averaged gradients, then 1-bit momentum with error feedback.
+    """1-bit Adam (Tang et al. 2021): Adam, then 1-bit momentum with error feedback on both sides.
 
     Every rank must construct it (its transport makes a process group) and call step() for the
     same parameters: a missing gradient counts as zero. The trainable parameters of a group must
@@ -90,7 +90,8 @@ class OneBitAdam(torch.optim.Optimizer):
         self.freeze_step = check_int("freeze_step", freeze_step, low=0)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
-        self.channel = ReceivingChannel(TorchDist(process_group))  # ranks meet here (a private group)
+        # ranks meet here: TorchDist makes a private process group
+        self.channel = ReceivingChannel(TorchDist(process_group))
         self.sign = Sign()  # keeps this rank's server error, per parameter key
         self.steps, self.bytes_dense = 0, 0
 
@@ -98,9 +99,10 @@ class OneBitAdam(torch.optim.Optimizer):
         super().add_param_group(param_group)
         kinds = {(p.dtype, p.device) for p in self.param_groups[-1]["params"] if p.requires_grad}
         if len(kinds) > 1:
-            raise ValueError(f"a parameter group holds trainable parameters of {len(kinds)} dtypes or "
-                             f"devices ({sorted(map(str, kinds))}): its momenta travel as one flat "
-                             "tensor; put each dtype and device in a parameter group of its own")
+            self.param_groups.pop()  # refused: the optimizer stays as it was
+            raise ValueError(f"a parameter group holds trainable parameters of {len(kinds)} "
+                             f"dtypes or devices ({sorted(map(str, kinds))}): its momenta travel "
+                             "as one flat tensor; put each dtype and device in a group of its own")
 
     @property
     def compressing(self) -> bool:
@@ -109,7 +111,7 @@ class OneBitAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One step: exact Adam in the warm-up, compressed momentum after it (every rank must call it)."""
+        """One step: exact Adam in the warm-up, compressed momentum after (every rank calls it)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -159,7 +161,7 @@ class OneBitAdam(torch.optim.Optimizer):
 
     def _compressed_momentum(self, group: dict, params: list, grads: list, states: list,
                              keys: list) -> None:
-        """The local momentum, plus the worker error, averaged by comm.Sign; errors kept for next time."""
+        """The local momentum plus the worker error, averaged by comm.Sign; errors kept."""
         beta1 = group["betas"][0]
         for state, g in zip(states, grads):
             state["exp_avg"].mul_(beta1).add_((1 - beta1) * g)
@@ -169,10 +171,11 @@ class OneBitAdam(torch.optim.Optimizer):
         if transport.world_size == 1:
             return
         x = torch.cat([(s["exp_avg"] + s["worker_error"]).reshape(-1) for s in states])
-        ctx = Context(transport.rank, transport.world_size, self.steps - 1, [p.shape for p in params],
-                      x.dtype, x.device)
+        ctx = Context(transport.rank, transport.world_size, self.steps - 1,
+                      [p.shape for p in params], x.dtype, x.device)
         numels = [p.numel() for p in params]
-        residual = self.sign.reduce(Job(x, keys, numels, True, ctx), self.channel)  # ranks meet here
+        job = Job(x, keys, numels, True, ctx)  # True: the residual back, server errors kept
+        residual = self.sign.reduce(job, self.channel)  # ranks meet here: worker, server stage
         for state, m, error in zip(states, x.split(numels), residual.split(numels)):
             state["exp_avg"].copy_(m.view_as(state["exp_avg"]))  # every rank: the same momentum
             state["worker_error"].copy_(error.view_as(state["exp_avg"]))
@@ -184,11 +187,12 @@ class OneBitAdam(torch.optim.Optimizer):
         rank's own part). bytes_dense: what DDP's gradient all-reduce would have sent.
         """
         sent, dense = self.channel.bytes_sent, self.bytes_dense
-        return {"steps": self.steps, "bytes_sent": sent, "bytes_received": self.channel.bytes_received,
-                "bytes_dense": dense, "ratio": sent / dense if dense else 0.0}
+        return {"steps": self.steps, "bytes_sent": sent,
+                "bytes_received": self.channel.bytes_received, "bytes_dense": dense,
+                "ratio": sent / dense if dense else 0.0}
 
     def state_dict(self) -> dict:
-        """torch's optimizer state (exp_avg, exp_avg_sq, worker_error), plus server errors and counters."""
+        """torch's optimizer state (exp_avg, exp_avg_sq, worker_error), server errors, counters."""
         state = super().state_dict()
         state["onebit"] = {"steps": self.steps, "bytes_sent": self.channel.bytes_sent,
                            "bytes_received": self.channel.bytes_received,
@@ -201,5 +205,6 @@ class OneBitAdam(torch.optim.Optimizer):
         saved = state_dict.pop("onebit")
         super().load_state_dict(state_dict)
         self.steps, self.bytes_dense = saved["steps"], saved["bytes_dense"]
-        self.channel.bytes_sent, self.channel.bytes_received = saved["bytes_sent"], saved["bytes_received"]
+        self.channel.bytes_sent = saved["bytes_sent"]
+        self.channel.bytes_received = saved["bytes_received"]
         self.sign.load_state_dict(saved["sign"])
