@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 import minidp
 from harness import error_of, run_ranks
+from minidp.engine.timeline import named_spans
 from minidp.sharded.fsdp.state import state_of
 from training import rank_batches
 
@@ -175,6 +176,7 @@ def _train(engine, case, mesh, rank):
     opt = optimizer_class(net.parameters(), **defaults)
     out = {"layout": _layout(net), "kinds": [], "losses": []}
     trace, patches = _tracing((lambda: state_of(net).step.reduces) if engine == "minidp" else None)
+    timeline = net.enable_timeline() if engine == "minidp" else None
     for step, batches in enumerate(_grouped(rank_batches(STEPS * case.accumulate, rank,
                                                          targets=(4, 3)), case.accumulate)):
         for k, (x, y) in enumerate(batches):
@@ -192,6 +194,9 @@ def _train(engine, case, mesh, rank):
                 if engine == "minidp":
                     out["held"].append(_held(net))
                 out["trace"] = list(trace)
+                if timeline is not None:  # (lane, unit, duration >= 0) of each collective
+                    out["spans"] = [(lane, name, end >= begin) for lane, name, begin, end
+                                    in named_spans(timeline.snapshot())]
             out["losses"].append(loss.detach())
         if case.clip:
             norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
@@ -377,6 +382,11 @@ def test_gathers_frees_and_collectives_as_fsdp2(ranks, case):
         regathered = 3 if reshard else (2 if reshard is None else 0)
         counts = Counter(name for name, _ in ours)
         assert counts == {"all_gather": accumulate * (3 + regathered), "reduce_scatter": 3}, case
+        # minidp's timeline: a span for each collective, named by its unit's module
+        lanes = Counter(lane.split()[-1] for lane, _, _ in mine["spans"])
+        assert lanes == {"all-gather": counts["all_gather"], "reduce-scatter": 3}, mine["spans"]
+        assert {name for _, name, _ in mine["spans"]} == {"", "blocks.0", "blocks.1"}
+        assert all(ordered for _, _, ordered in mine["spans"])
 
 
 def test_unshard_and_reshard_methods(ranks):

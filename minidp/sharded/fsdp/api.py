@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from minidp.engine.timeline import Timeline
 from minidp.validate import check_bool
 
 from .state import STATE_ATTRIBUTE, ModuleState, state_of
@@ -202,6 +203,20 @@ def _units_of(modules: list) -> list:
     return [s.unit for s in states if s.unit is not None]
 
 
+def enable_timeline(self: nn.Module) -> Timeline:
+    """From now on, record each unit's all-gathers and reduce-scatters below this module (call it
+    on the root) in a minidp Timeline: spans from the collective's start to its completion, in the
+    lanes "fully_shard all-gather" and "fully_shard reduce-scatter", named by the unit's module
+    ("" for this one). Returns the Timeline (to_chrome_trace(), benchmarks' plots). minidp's own:
+    FSDP2 has no such method."""
+    timeline = Timeline()
+    for name, module in self.named_modules():
+        state = state_of(module)
+        if state is not None and state.unit is not None:
+            state.unit.timeline, state.unit.name = timeline, name
+    return timeline
+
+
 class _Done:
     """The handle unshard(async_op=True) returns: the gather has already happened."""
 
@@ -212,4 +227,4 @@ class _Done:
 _METHODS = {f.__name__: f for f in (unshard, reshard, set_requires_gradient_sync,
                                     set_reshard_after_forward, set_reshard_after_backward,
                                     set_modules_to_forward_prefetch,
-                                    set_modules_to_backward_prefetch)}
+                                    set_modules_to_backward_prefetch, enable_timeline)}

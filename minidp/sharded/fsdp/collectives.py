@@ -25,10 +25,12 @@ REDUCE = "minidp.fully_shard's reduce-scatter of a unit's gradients"
 class Gather:
     """One unit's all-gather: __init__ starts it (async_op=True: it runs while the caller
     computes), wait() finishes it and writes every rank's padded shard of each ShardedParam into its
-    gathered copy. A unit mixing dtypes travels as bytes (one collective, one dtype; as FSDP2)."""
+    gathered copy. A unit mixing dtypes travels as bytes (one collective, one dtype; as FSDP2).
+    on_done (default None) is called once the collective is done, e.g. to end a timeline span."""
 
-    def __init__(self, params: list, group, rank: int, world: int, async_op: bool = False):
-        self.params, self.world = params, world
+    def __init__(self, params: list, group, rank: int, world: int, async_op: bool = False,
+                 on_done=None):
+        self.params, self.world, self.on_done = params, world, on_done
         inputs = [p.gather_input() for p in params]  # cast to param_dtype here, as FSDP2
         self.as_bytes = len({t.dtype for t in inputs}) > 1
         self.sizes = [t.numel() * (t.element_size() if self.as_bytes else 1) for t in inputs]
@@ -45,10 +47,15 @@ class Gather:
                                                    async_op=async_op)
 
     @torch.no_grad()
-    def wait(self) -> None:
+    def wait(self, copy_out: bool = True) -> None:
+        """Wait for the collective, then (copy_out=True) write the gathered copies."""
         if self.work is not None:
             with naming_laggards(GATHER):
                 self.work.wait()
+        if self.on_done is not None:
+            self.on_done()
+        if not copy_out:
+            return
         rows = self.output.view(self.world, self.per_rank).split(self.sizes, dim=1)
         for p, block in zip(self.params, rows):
             full = p.alloc_unsharded()
@@ -82,14 +89,17 @@ class ReduceScatter:
         grads: their full gradients (freed once copied into the flat buffer).
         group, world: the process group and its size.
         async_op: do not wait for the collective here (default False).
+        on_done: called once the collective is done (default None), e.g. to end a timeline span.
 
     The reduction runs in the parameters' reduce_dtype (else the gradients' dtype); the rows are
     cast to the parameters' dtype at the end.
     """
 
     @torch.no_grad()
-    def __init__(self, params: list, grads: list, group, world: int, async_op: bool = False):
+    def __init__(self, params: list, grads: list, group, world: int, async_op: bool = False,
+                 on_done=None):
         self.params, self.sizes = params, [p.padded.numel() for p in params]
+        self.on_done = on_done
         per_rank = sum(self.sizes)
         reduce_dtype = params[0].reduce_dtype or grads[0].dtype
         # row r: the rows rank r keeps, each gradient zero-padded to world * its padded shard
@@ -118,6 +128,8 @@ class ReduceScatter:
         if self.work is not None:
             with naming_laggards(REDUCE):
                 self.work.wait()
+        if self.on_done is not None:
+            self.on_done()
         mine, self.mine, self.scatter = self.mine, None, None
         if self.post is not None and self.post != 1:
             mine.div_(self.post)

@@ -21,6 +21,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .collectives import Gather, ReduceScatter
 from .sharded_param import ShardedParam
 
+GATHER_LANE, REDUCE_LANE = "fully_shard all-gather", "fully_shard reduce-scatter"  # timeline lanes
+
 
 class Phase(Enum):
     """Where a unit (or a module's state) is in the step."""
@@ -62,6 +64,8 @@ class Unit:
         # one, as FSDP2 by default, since each holds a buffer the size of its unit's gradients
         self.reduces: list[ReduceScatter] = []
         self.forward_indices: list[int] = []  # where this unit sits in the step's forward order
+        self.timeline = None  # a minidp Timeline while the root's enable_timeline() records
+        self.name = ""  # the module's name under the root, in the timeline
 
     def unshard(self, async_op: bool = False) -> None:
         """All-gather the parameters, put the gathered ones in the modules (no-op if they are).
@@ -69,7 +73,8 @@ class Unit:
         async_op=True starts the all-gather and returns: the next unshard() or wait_for_unshard()
         finishes it (a prefetch)."""
         if not self.is_unsharded and self.gather is None:
-            self.gather = Gather(self.params, self.group, self.rank, self.world, async_op)
+            self.gather = Gather(self.params, self.group, self.rank, self.world, async_op,
+                                 on_done=self._span(GATHER_LANE))
         if not async_op:
             self.wait_for_unshard()
 
@@ -85,8 +90,7 @@ class Unit:
     def reshard(self) -> None:
         """Put the shards back in the modules and free the gathered parameters' memory."""
         if self.gather is not None:  # prefetched but never used: let the collective finish
-            if self.gather.work is not None:
-                self.gather.work.wait()
+            self.gather.wait(copy_out=False)
             self.gather = None
         for p in self.params:
             p.to_sharded()
@@ -138,7 +142,17 @@ class Unit:
                 self.reduces.pop(0).wait()
             # ranks meet here; autograd goes on with the rest of backward while it runs
             self.reduces.append(ReduceScatter(with_grad, grads, self.group, self.world,
-                                              async_op=True))
+                                              async_op=True, on_done=self._span(REDUCE_LANE)))
+
+    def _span(self, lane: str):
+        """While a timeline records: record a collective's "begin" now, and return what records
+        its "end" (called when the host has waited for it; gloo's reduce-scatter work has no
+        future to say when it completed). Else None."""
+        if self.timeline is None:
+            return None
+        timeline, name = self.timeline, self.name
+        timeline.record("begin", lane=lane, name=name)
+        return lambda: timeline.record("end", lane=lane, name=name)
 
     def _hook_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Pass the inputs that require grad through PostBackward (its backward: post_backward)."""
