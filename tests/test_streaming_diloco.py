@@ -106,18 +106,19 @@ def _reference(fragments, tau, bits, alpha):
     return snapshot(module), list(theta.values())
 
 
-def _setup(fragments, tau, bits, alpha, cls=comm.StreamingDiLoCo):
+def _setup(fragments, tau, bits, alpha, cls=comm.StreamingDiLoCo, wrap=True, warmup_steps=0):
     module = _stack()
-    model = minidp.DDP(module)
+    model = minidp.DDP(module) if wrap else module
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
     args = {} if cls is comm.DiLoCo else {"fragments": fragments, "sync_delay": tau,
                                           "quantize_bits": bits, "mixing": alpha}
-    return module, model, inner, cls(model, _nesterov(model.parameters()), H, **args)
+    method = cls(model, _nesterov(model.parameters()), H, warmup_steps=warmup_steps, **args)
+    return module, model, inner, method
 
 
-def _run(case, cls=comm.StreamingDiLoCo):
+def _run(case, **setup):
     """Train STEPS steps; the bytes each step handed to collectives, what is in flight after it."""
-    module, model, inner, method = _setup(*case, cls=cls)
+    module, model, inner, method = _setup(*case, **setup)
     out = {"sent": [], "in_flight": []}
 
     def after(step):
@@ -160,7 +161,9 @@ def _world(folder):
              for name, case in CASES.items()}
     resumes = (("f2-tau1", 6), ("f3-tau2-4bit", 7))  # a sync in flight after steps 6 and 7
     return {"diloco": _run((1, 0, None, 0.0), cls=comm.DiLoCo), "f1": _run((1, 0, None, 0.0)),
-            **cases, "resume": {name: _resume(name, at, folder) for name, at in resumes}}
+            **cases, "resume": {name: _resume(name, at, folder) for name, at in resumes},
+            "plain": _run(CASES["f3-tau2-4bit"], wrap=False),
+            "warmup": _run(CASES["f2-tau1"], warmup_steps=2)}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
@@ -186,6 +189,21 @@ def test_fragments_equal_the_papers_algorithm_written_plainly(world, name):
         assert bitwise_equal(run["params"], params), name
         assert bitwise_equal(run["global"], theta), name
     assert bitwise_equal(world[0][name]["run"]["global"], world[-1][name]["run"]["global"])
+
+
+def test_a_plain_module_without_ddp_trains_the_same(world):
+    for result in world:  # the hook only counts bytes_dense: without it, the same run
+        run, params = result["plain"], result["f3-tau2-4bit"]["reference"][0]
+        assert bitwise_equal(run["params"], params) and run["stats"]["bytes_dense"] == 0
+
+
+def test_warmup_averages_gradients_then_fragments_sync_on_the_local_schedule(world):
+    for result in world:  # f2-tau1 after 2 warm-up steps: the broadcast, then syncs at local 3, 6
+        run = result["warmup"]
+        assert run["sent"] == [0, 1728, 0, 0, 864, 0, 0, 864, 0, 0, 864, 0, 0, 864]
+        # gradients in the 2 warm-up steps (counted by the hook), the broadcast, 4 syncs
+        assert run["stats"]["bytes_sent"] == 2 * 1728 + 1728 + 4 * 864
+        assert run["stats"]["bytes_dense"] == STEPS * 1728
 
 
 def test_each_sync_lands_sync_delay_steps_after_it_starts(world):
