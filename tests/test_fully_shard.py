@@ -206,6 +206,9 @@ def _train(engine, case, mesh, rank):
                             for p in net.parameters()]
         opt.step()
         opt.zero_grad()
+    with torch.no_grad():  # an evaluation: reshard_after_forward=False keeps the weights gathered
+        net(x)
+    out["state_dict"] = {k: type(v).__name__ for k, v in net.state_dict().items()}  # DTensors
     out["full"] = {name: p.full_tensor() for name, p in net.named_parameters()}
     net.blocks[1].unshard()
     out["unshard"] = (_kinds(net), net.blocks[1].up.weight.detach().clone())
@@ -317,7 +320,7 @@ def test_training_equals_torch_fully_shard_bitwise(ranks, case):
     _ran(ranks, case)
     for rank, out in enumerate(ranks):
         mine, theirs = out["training"][case]["minidp"], out["training"][case]["torch"]
-        for key in ("full", "grads", "losses", "norms", "output_dtype"):
+        for key in ("full", "grads", "losses", "norms", "output_dtype", "state_dict"):
             assert _same(mine.get(key), theirs.get(key)), (case, rank, key)
         if CASES[case].clip:  # the norms were above max_norm: clipping scaled the gradients
             assert all(norm > 0.05 for norm in mine["norms"]), mine["norms"]

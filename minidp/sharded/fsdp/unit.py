@@ -66,6 +66,11 @@ class Unit:
         self.forward_indices: list[int] = []  # where this unit sits in the step's forward order
         self.timeline = None  # a minidp Timeline while the root's enable_timeline() records
         self.name = ""  # the module's name under the root, in the timeline
+        # a state dict is saved from, and loaded into, the shards (FSDP2's to_sharded_hook): the
+        # module may hold its gathered weights, e.g. after a forward without backward
+        for module in {module for p in self.params for module, _ in p.places}:
+            module.register_state_dict_pre_hook(lambda *args: self.reshard())
+            module.register_load_state_dict_pre_hook(lambda *args: self.reshard())
 
     def unshard(self, async_op: bool = False) -> None:
         """All-gather the parameters, put the gathered ones in the modules (no-op if they are).
