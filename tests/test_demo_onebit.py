@@ -18,6 +18,7 @@ from torch import nn
 import minidp
 from harness import run_ranks
 from minidp import comm
+from minidp.comm.demo import chunks_for, dct_matrix
 from training import bitwise_equal, max_abs_diff, rank_batches, snapshot
 
 STEPS, SAVE_AT = 20, 10
@@ -287,6 +288,32 @@ def test_resume_from_step_10_is_bitwise_the_uninterrupted_run(world, name):
         run = result[name]
         assert bitwise_equal(run["params"], run["resumed"]) and run["state_same"]
         assert run["stats"] == run["stats_resumed"] and run["stats_at_save"]["steps"] == SAVE_AT
+
+
+def _fft_dct(x):
+    """The orthonormal DCT-II of x's rows, built as the authors do (Makhoul's FFT), in float64."""
+    n = x.shape[-1]
+    v = torch.cat([x[..., ::2], x[..., 1::2].flip(-1)], -1)
+    out = (torch.fft.fft(v) * torch.exp(-1j * math.pi * torch.arange(n) / (2 * n))).real
+    out[..., 0] /= math.sqrt(n)
+    out[..., 1:] /= math.sqrt(n / 2)
+    return out
+
+
+def test_demo_blocks_are_the_orthonormal_dct_of_every_shape():
+    """No process group: the DCT matrix against the FFT construction; blocks of 0-D to 4-D."""
+    for n in (1, 4, 8, 64):
+        x = torch.randn(3, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+        assert torch.allclose(x @ dct_matrix(n, torch.float64, "cpu").T, _fft_dct(x), atol=1e-12)
+    cases = {(): (1, 1, 1), (100,): (1, 50, 32), (100, 10): (50, 10, 32), (6, 3, 3, 3): (6, 27, 32),
+             (4, 96): (4, 48, 32), (2, 3): (2, 3, 6)}
+    for shape, (h, w, k) in cases.items():
+        x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        chunks = chunks_for(x, CHUNK, TOPK)
+        assert (chunks.h, chunks.w, chunks.k) == (h, w, k), shape
+        coefficients = chunks.encode(x)
+        assert coefficients.shape[-1] == h * w and coefficients.numel() == x.numel()
+        assert torch.allclose(chunks.decode(coefficients), x, atol=1e-12), shape  # C^T C = I
 
 
 def _linear():

@@ -77,6 +77,18 @@ class Chunks:
         return blocks.transpose(1, 2).reshape(self.shape)
 
 
+def chunks_for(p: torch.Tensor, chunk: int, topk: int) -> Chunks:
+    """How a tensor like `p` is cut into blocks of sides up to `chunk`, sending `topk` of each.
+
+    p is seen as a matrix: rows = shape[0] (1 for a 0-D or 1-D tensor), columns = the rest.
+    """
+    rows = p.shape[0] if p.dim() > 1 else 1
+    cols = p.numel() // rows
+    h, w = block_size(rows, chunk), block_size(cols, chunk)
+    c_h, c_w = dct_matrix(h, p.dtype, p.device), dct_matrix(w, p.dtype, p.device)
+    return Chunks(p.shape, rows, cols, h, w, min(topk, h * w), c_h, c_w)
+
+
 class DeMo(torch.optim.Optimizer):
     """Decoupled Momentum Optimization: sign steps from every rank's top-k DCT of its momentum.
 
@@ -120,11 +132,7 @@ class DeMo(torch.optim.Optimizer):
         """How `p` is cut into blocks (made once per shape, dtype and device)."""
         key = (p.shape, p.dtype, p.device)
         if key not in self._chunks:
-            rows = p.shape[0] if p.dim() > 1 else 1
-            cols = p.numel() // rows
-            h, w = block_size(rows, self.chunk), block_size(cols, self.chunk)
-            c_h, c_w = dct_matrix(h, p.dtype, p.device), dct_matrix(w, p.dtype, p.device)
-            self._chunks[key] = Chunks(p.shape, rows, cols, h, w, min(self.topk, h * w), c_h, c_w)
+            self._chunks[key] = chunks_for(p, self.chunk, self.topk)
         return self._chunks[key]
 
     @torch.no_grad()
@@ -135,7 +143,7 @@ class DeMo(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         sent = [(p, group["lr"], *self._compress(p, group)) for group in self.param_groups
-                for p in group["params"] if p.requires_grad]
+                for p in group["params"] if p.requires_grad and p.numel() > 0]
         if not sent:
             return loss
         self.steps += 1
