@@ -124,7 +124,9 @@ def run_suite(args, engine, suite):
         shutil.rmtree(temp, ignore_errors=True)
         for folder in ("barrier", "test_dir"):
             os.makedirs(os.path.join(temp, folder))
-        env.update(TEMP_DIR=temp, INIT_METHOD="env://")
+        # file:// as run_test.py: TestDistBackend.setUp sets a file:// INIT_METHOD, and the spawned ranks
+        # look the test class up by a name that depends on it (no "NoInitFile" suffix then)
+        env.update(TEMP_DIR=temp, INIT_METHOD="file://" + os.path.join(temp, "shared_init_file"))
     cmd = ["timeout", str(args.wall), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "--rootdir", work, "-c", os.devnull, f"--timeout={args.timeout}", "-rfE",
            f"--junitxml={junit}", main] + args.pytest_args
