@@ -87,6 +87,18 @@ def _run_and_resume(make):
             "state_same": bitwise_equal(*(_state_tensors(o.state_dict()) for o in (opt, opt2)))}
 
 
+def _under_no_sync(make):
+    """The same 20 steps on minidp.DDP, backward under no_sync(): DDP's all-reduce never runs."""
+    model = minidp.DDP(_model())
+    opt = make(model.parameters())
+    for x, y in rank_batches(STEPS, dist.get_rank()):
+        opt.zero_grad()
+        with model.no_sync():
+            F.mse_loss(model(x), y).backward()
+        opt.step()
+    return snapshot(model.module)
+
+
 def _adam_ddp_bytes():
     """Adam + minidp.DDP: the bytes its gradient all-reduce hands to collectives per step, counted
     by comm's hook in its exact-average mode (start_iter beyond the run: DDP's arithmetic)."""
@@ -219,7 +231,8 @@ def _onebit_reference(world_size):
 
 def _world(_):
     out = {"demo": _run_and_resume(_demo), "onebit": _run_and_resume(_onebit),
-           "ddp_bytes": _adam_ddp_bytes()}
+           "ddp_bytes": _adam_ddp_bytes(),
+           "no_sync": {"demo": _under_no_sync(_demo), "onebit": _under_no_sync(_onebit)}}
     if dist.get_rank() == 0:
         out["demo_reference"] = _demo_reference(dist.get_world_size())
         out["onebit_reference"] = _onebit_reference(dist.get_world_size())
@@ -279,6 +292,13 @@ def test_onebit_adam_bytes_on_every_rank_and_against_adam_with_ddp(world):
         assert result["ddp_bytes"] / compressed >= 4  # 20.7x at 2 ranks, 23.2x at 3
     print(f"1-bit Adam ws={world_size}: {compressed} bytes sent per compressed step per rank, "
           f"Adam + DDP {results[0]['ddp_bytes']:.0f} ({results[0]['ddp_bytes'] / compressed:.1f}x)")
+
+
+@pytest.mark.parametrize("name", ["demo", "onebit"])
+def test_under_ddp_no_sync_equals_the_plain_module(world, name):
+    _, results = world
+    for result in results:
+        assert bitwise_equal(result["no_sync"][name], result[name]["params"])
 
 
 @pytest.mark.parametrize("name", ["demo", "onebit"])

@@ -138,10 +138,7 @@ class DeMo(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One DeMo step on every trainable parameter (one all-gather; every rank must call it)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = None if closure is None else torch.enable_grad()(closure)()  # as torch's optimizers
         sent = [(p, group["lr"], *self._compress(p, group)) for group in self.param_groups
                 for p in group["params"] if p.requires_grad and p.numel() > 0]
         if not sent:

@@ -112,10 +112,7 @@ class OneBitAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One step: exact Adam in the warm-up, compressed momentum after (every rank calls it)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = None if closure is None else torch.enable_grad()(closure)()  # as torch's optimizers
         compressing = self.compressing
         self.steps += 1
         key = 0  # a parameter's key: its place among the trainable parameters of every group
