@@ -15,7 +15,8 @@ wrapper), and start every rank from the same parameters. Per trainable parameter
 Chunks: p is seen as a matrix (rows = shape[0], columns = the rest; a 1-D tensor is one row) and
 each side is cut into blocks of the largest divisor of its length up to compression_chunk; each
 h x w block gets the orthonormal 2-D DCT-II, C_h B C_w^T, and top-k is taken over its h*w
-coefficients. (The authors' code takes 1-D and 2-D tensors; a 1-D one as a single row is the same.)
+coefficients. (The authors' code takes 1-D and 2-D tensors only, and a 1-D one as a single row
+is the same; a tensor of more dimensions, a convolution's weight, is taken as (shape[0], the rest).)
 The mean of coefficients sent by several ranks is the authors' `scatter_reduce(reduce="mean")`.
 
 Wire: per block, k indices (int16 when h*w <= 32768, else int32; the authors send int64) and k
