@@ -265,6 +265,30 @@ def _checkpoint(src, dst, mesh, rank, folder):
     return {engine: get_state_dict(net, opt, options=full) for engine, (net, opt) in ends.items()}
 
 
+def _deferred_init(mesh, rank):
+    """FSDP2's deferred init: a model made on the meta device, sharded, materialised with
+    to_empty(), initialised by reset_parameters() (DTensor's random ops), then trained 3 steps.
+    Returns each engine's full weights."""
+    out = {}
+    for engine, shard in ENGINES.items():
+        with torch.device("meta"):
+            net = Net()
+        for block in net.blocks:
+            shard(block, mesh=mesh)
+        shard(net, mesh=mesh).to_empty(device="cpu")
+        torch.manual_seed(1)
+        for module in net.modules():
+            if isinstance(module, nn.Linear):
+                module.reset_parameters()
+        opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+        for x, y in rank_batches(3, rank, targets=(4, 3)):
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out[engine] = {name: p.full_tensor() for name, p in net.named_parameters()}
+    return out
+
+
 def _states(net, opt):
     model, optim = get_state_dict(net, opt)
     return {"model": model, "optim": optim}
@@ -291,7 +315,8 @@ def _worker(folder):
                 for name in cases}
     checkpoint = {} if dist.get_world_size() == 4 else {
         "torch->minidp": _checkpoint("torch", "minidp", mesh, rank, f"{folder}/a"),
-        "minidp->torch": _checkpoint("minidp", "torch", mesh, rank, f"{folder}/b")}
+        "minidp->torch": _checkpoint("minidp", "torch", mesh, rank, f"{folder}/b"),
+        "meta": _deferred_init(mesh, rank)}
     return {"training": training, "checkpoint": checkpoint, "errors": _bad_input(mesh),
             "hang": _hang(rank) if dist.get_world_size() == 2 else None}
 
@@ -442,3 +467,12 @@ def test_a_rank_that_does_not_arrive_is_named(ranks):
     assert kind == "RuntimeError", message
     assert "waited in vain in minidp.fully_shard's all-gather" in message, message
     assert "ranks that did not arrive: [1]" in message, message
+
+
+def test_deferred_init_on_meta_as_fsdp2(ranks):
+    if not ranks[0]["checkpoint"]:
+        pytest.skip("runs at 1-3 ranks")
+    for rank, out in enumerate(ranks):
+        got = out["checkpoint"]["meta"]
+        assert _same(got["minidp"], got["torch"]), rank
+        assert _same(got["minidp"], ranks[0]["checkpoint"]["meta"]["minidp"]), rank

@@ -217,6 +217,14 @@ def enable_timeline(self: nn.Module) -> Timeline:
     return timeline
 
 
+def _apply(self: nn.Module, *args, **kwargs):
+    """nn.Module._apply (to_empty(), to(), half(), ...), then the unit adopts the new tensors."""
+    out = type(self)._apply(self, *args, **kwargs)  # the children's own _apply run inside
+    if state_of(self).unit is not None:
+        state_of(self).unit.reset()
+    return out
+
+
 class _Done:
     """The handle unshard(async_op=True) returns: the gather has already happened."""
 
@@ -227,4 +235,4 @@ class _Done:
 _METHODS = {f.__name__: f for f in (unshard, reshard, set_requires_gradient_sync,
                                     set_reshard_after_forward, set_reshard_after_backward,
                                     set_modules_to_forward_prefetch,
-                                    set_modules_to_backward_prefetch, enable_timeline)}
+                                    set_modules_to_backward_prefetch, enable_timeline, _apply)}

@@ -45,7 +45,8 @@ class ShardedParam:
     def __init__(self, param: nn.Parameter, places: list, mesh, device: torch.device, mp_policy):
         self.places, self.mesh = places, mesh
         world, rank = mesh.size(), mesh.get_local_rank()
-        data = param.detach().to(device)
+        # a meta parameter stays meta (deferred init: to_empty() then an init or a load; reset())
+        data = param.detach() if param.is_meta else param.detach().to(device)
         self.size, self.stride = data.size(), contiguous_strides(data.size())
         chunks = torch.chunk(data, world, dim=0)  # fewer than `world` chunks when rows < world
         own = chunks[rank] if rank < len(chunks) else data[:0]
@@ -62,6 +63,28 @@ class ShardedParam:
         self.compute_dtype = wanted if wanted and data.dtype.is_floating_point else data.dtype
         self.reduce_dtype = None if mp_policy.reduce_dtype == wanted else mp_policy.reduce_dtype
         self.accumulated: torch.Tensor | None = None  # gradients kept across unsynced backwards
+
+    def reset(self) -> None:
+        """Adopt the module's parameter if something replaced it or its local tensor (to_empty(),
+        .to(), load_state_dict(assign=True): FSDP2's reset_sharded_param): its rows are copied into
+        a new padded shard, and the parameter (the same Python object, which an optimizer may
+        hold) becomes a DTensor viewing that shard."""
+        module, name = self.places[0]
+        current = module._parameters[name]
+        with torch.no_grad():
+            local = current.to_local()
+        if local.is_meta or (current is self.sharded and self.padded.device == local.device
+                             and local.untyped_storage().data_ptr()
+                             == self.padded.untyped_storage().data_ptr()):
+            return  # not materialized yet, or still our view of the padded shard
+        self.padded = local.new_zeros(self.padded.size())
+        self.padded[:local.size(0)].copy_(local)
+        new = nn.Parameter(self.as_dtensor(self.padded[:local.size(0)]),
+                           requires_grad=current.requires_grad)
+        torch.utils.swap_tensors(current, new)  # the same object: an optimizer may hold it
+        self.sharded = current
+        self.full = self.unsharded = None  # made again, on the shard's device, at the next gather
+        self.set_on_modules(self.sharded)
 
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
         """`local` (this rank's rows of the parameter or of its gradient) as a DTensor like it."""

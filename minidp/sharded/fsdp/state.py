@@ -119,6 +119,8 @@ class ModuleState:
         step = Step(states)
         for state in states:
             state.step = step
+            if state.unit is not None:  # parameters replaced since fully_shard (FSDP2 does this)
+                state.unit.reset()
         if self.auto_reshard and self.unit is not None:
             self.unit.reshard_after_forward = False
 

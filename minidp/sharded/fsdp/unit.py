@@ -71,6 +71,13 @@ class Unit:
         for module in {module for p in self.params for module, _ in p.places}:
             module.register_state_dict_pre_hook(lambda *args: self.reshard())
             module.register_load_state_dict_pre_hook(lambda *args: self.reshard())
+            # load_state_dict(assign=True) puts new tensors in the module: adopt them
+            module.register_load_state_dict_post_hook(lambda *args: self.reset())
+
+    def reset(self) -> None:
+        """Adopt parameters that replaced the shards (see ShardedParam.reset)."""
+        for p in self.params:
+            p.reset()
 
     def unshard(self, async_op: bool = False) -> None:
         """All-gather the parameters, put the gathered ones in the modules (no-op if they are).
