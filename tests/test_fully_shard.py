@@ -236,6 +236,8 @@ def _bad_input(mesh):
     out["2-D mesh"] = (error_of(minidp.fully_shard, Net(), mesh=flat_mesh), None)
     out["reshard int"] = (error_of(minidp.fully_shard, Net(), mesh=mesh, reshard_after_forward=2),
                           None)
+    out["reshard str"] = (error_of(minidp.fully_shard, Net(), mesh=mesh,
+                                   reshard_after_forward="yes"), None)
     return out
 
 
@@ -436,7 +438,8 @@ def test_bad_input(ranks):
     assert mine == theirs == "AssertionError", errors["twice"]
     assert message.split("\n")[0] == their_message.split("\n")[0]
     assert errors["2-D mesh"][0][0] == "NotImplementedError" and "HSDP" in errors["2-D mesh"][0][1]
-    assert errors["reshard int"][0][0] == "TypeError"
+    assert errors["reshard int"][0][0] == "NotImplementedError"
+    assert errors["reshard str"][0][0] == "TypeError"
 
 
 def test_minidp_does_not_run_torchs_fsdp():

@@ -60,7 +60,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     params = _managed_params(managed)
     for m in managed:  # buffers go where the parameters go (FSDP2 moves them too)
         for name, buf in m._buffers.items():
-            if buf is not None and buf.device != device:
+            if buf is not None and buf.device != device and not buf.is_meta:
                 m._buffers[name] = buf.to(device)
     unit = Unit(params, mesh, device, reshard_after_forward is not False, mp_policy) \
         if params else None
@@ -85,6 +85,10 @@ def _check(module, mesh, reshard_after_forward, mp_policy) -> None:
                              f"module:\n{module}")
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh={mesh!r} must be a torch.distributed.device_mesh.DeviceMesh or None")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(f"reshard_after_forward={reshard_after_forward}: an int (FSDP2's "
+                                  "resharding to a smaller world after forward) is not built in "
+                                  "minidp.fully_shard; pass True, False or None")
     if reshard_after_forward is not None:
         check_bool("reshard_after_forward", reshard_after_forward)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
