@@ -33,20 +33,27 @@ def _run(*cmd, timeout=240):
     return subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+STREAMING = "Streaming DiLoCo /8 F2 4-bit"
+
+
 def test_compression_study_quick_run_writes_the_study(tmp_path):
-    """The real script, tiny: one launch at world size 2 (one lr; the choice among several is tested below) and
-    the report. The cost phase and simulate --study are left to tests/test_time_to_target.py's fixture: each
-    launch here costs seconds of torch imports."""
+    """The real script, tiny: one launch at world size 2 (one lr each; the choice among several is tested below)
+    and the report. The cost phase and simulate --study are left to tests/test_time_to_target.py's fixture: each
+    launch here costs seconds of torch imports. DeMo, 1-bit Adam and Streaming DiLoCo: the collectives the
+    simulator reads are the bytes each method counted (12 steps: 1-bit Adam compresses from step 6, Streaming
+    DiLoCo runs one period of 8 local steps after a warm-up of 4, so each of its 2 fragments syncs once)."""
     results_md = tmp_path / "RESULTS.md"
     results_md.write_text("# notes kept\n")
+    methods = ["exact", "TopK 1%+EF", "DeMo", "1-bit Adam", STREAMING]
     proc = _run("benchmarks/compression/study.py", "--quick", "--phases", "sweep,report", "--methods",
-                "exact,TopK 1%+EF", "--steps", "8", "--lrs", "0.1", "--out", str(tmp_path),
+                ",".join(methods), "--steps", "12", "--lrs", "0.1", "--adam-lrs", "0.003", "--out", str(tmp_path),
                 "--results-md", str(results_md))
     assert proc.returncode == 0, proc.stderr
     # each run says so as it finishes (the full study runs for minutes)
-    runs = re.findall(r"^sweep (\d)/2: (exact|TopK 1%\+EF) lr 0.1 seed 0: (\d+ steps to target|target not reached in 8 "
-                      r"steps), final val loss [\d.]+, \d+ s$", proc.stdout, re.M)
-    assert [(done, method) for done, method, _ in runs] == [("1", "exact"), ("2", "TopK 1%+EF")], proc.stdout
+    runs = re.findall(r"^sweep (\d)/5: (.+) lr ([\d.]+) seed 0: (\d+ steps to target|target not reached in 12 "
+                      r"steps), final val loss [\d.e+]+, \d+ s$", proc.stdout, re.M)
+    assert [(int(done), method, lr) for done, method, lr, _ in runs] == [
+        (i + 1, m, "0.003" if m in ("DeMo", "1-bit Adam") else "0.1") for i, m in enumerate(methods)], proc.stdout
     study = json.loads((tmp_path / "compression_study.json").read_text())
     exact, topk = study["methods"]["exact"], study["methods"]["TopK 1%+EF"]
     assert set(exact["sweep"]) == set(topk["sweep"]) == {"0.1"} and topk["lr"] == 0.1
@@ -55,6 +62,23 @@ def test_compression_study_quick_run_writes_the_study(tmp_path):
         "all_reduce"}
     assert sum(c["bytes"] for c in exact["collectives"]) == exact["param_bytes"]  # every gradient, once
     assert exact["steps_to_target"] == [exact["sweep"]["0.1"][0]] and len(exact["final_val_loss"]) == 1
+    param_bytes = exact["param_bytes"]
+    for name in ("DeMo", "1-bit Adam", STREAMING):  # the simulator's bytes per step: what the method counted
+        m = study["methods"][name]
+        assert sum(c["bytes"] * c["per_step"] for c in m["collectives"]) == m["bytes_measured"], name
+    demo, onebit, streaming = (study["methods"][name] for name in ("DeMo", "1-bit Adam", STREAMING))
+    assert [c["op"] for c in demo["collectives"]] == ["all_gather"] and demo["start_iter"] == 0
+    assert 50 * demo["bytes_measured"] < param_bytes  # top 32 of each 64 x 64 DCT block, int16 indices
+    assert onebit["start_iter"] == 6 and onebit["warmup_collectives"] == [
+        {"op": "all_gather", "bytes": param_bytes, "per_step": 1, "scale": "fixed"}]  # the warm-up: every gradient
+    assert [c["op"] for c in onebit["collectives"]] == ["all_to_all"] + ["all_gather"] * 3
+    assert [c["scale"] for c in onebit["collectives"]] == ["fixed", "fixed", "chunk", "fixed"]  # the server chunk
+    assert 16 * onebit["bytes_measured"] < param_bytes  # 1 bit of 32, twice, and 4 scales
+    codes = [c["bytes"] for c in streaming["collectives"][0::2]]  # per fragment: codes, then scales
+    assert sum(codes) == pytest.approx(param_bytes / 8, abs=2) and len(codes) == 2
+    assert {(c["per_step"], c["overlap_steps"]) for c in streaming["collectives"]} == {(1 / 8, 1)}
+    assert demo["bytes_to_target"] == [demo["steps_to_target"][0] * demo["bytes_measured"]] or \
+        demo["steps_to_target"] == [None]
     text = results_md.read_text()
     assert text.startswith("# notes kept\n") and "<!-- BEGIN compression cpu -->" in text and "| TopK 1%+EF |" in text
 

@@ -72,6 +72,37 @@ def test_chunked_all_gather_and_all_to_all_follow_their_formulas():
         ttt.collective_time("broadcast", 100, 8, net)
 
 
+def test_own_warmups_and_overlapped_syncs_follow_their_formulas():
+    """DeMo (no warm-up: every step its all-gather), 1-bit Adam (its own warm-up of all-gathered gradients,
+    then Sign's stages) and Streaming DiLoCo (a fragment's all-gather every 4 steps, overlapped with one step:
+    only what the step does not cover counts, and with shared cores all of it), written out at 8 ranks."""
+    study = _study()
+    study["methods"].update({
+        "demo": {"steps_to_target": [250], "cost_s": 0.002, "start_iter": 0,
+                 "collectives": [{"op": "all_gather", "bytes": 17_664, "per_step": 1, "scale": "fixed"}]},
+        "onebit": {"steps_to_target": [230], "cost_s": 0.003, "start_iter": 40,
+                   "warmup_collectives": [{"op": "all_gather", "bytes": 1_212_000, "per_step": 1, "scale": "fixed"}],
+                   "collectives": [{"op": "all_to_all", "bytes": 38_000, "per_step": 1, "scale": "fixed"},
+                                   {"op": "all_gather", "bytes": 19_000, "per_step": 1, "scale": "chunk"}]},
+        "streaming": {"steps_to_target": [300], "cost_s": 0.0,
+                      "collectives": [{"op": "all_gather", "bytes": 5_000_000, "per_step": 0.25, "scale": "fixed",
+                                       "overlap_steps": 1}]}})
+    n, net = 8, ttt.flat_network(GBIT, 15)
+    _, _, exact_step, _ = _by_hand(n)
+    gather = lambda b: (n - 1) * (LATENCY + b / BW)  # noqa: E731
+    demo = 0.012 + gather(17_664)
+    assert ttt.time_to_target(study, "demo", n, net) == [pytest.approx(249 * demo, rel=1e-12)]
+    onebit = 0.013 + (n - 1) * LATENCY + (n - 1) / n * 38_000 / BW + gather(19_000 * 2 / n)
+    warm = 0.013 + gather(1_212_000)
+    assert ttt.time_to_target(study, "onebit", n, net) == [pytest.approx(39 * warm + 190 * onebit, rel=1e-12)]
+    sync = gather(5_000_000)
+    assert sync > 0.010  # more than the step it overlaps
+    streaming = 0.010 + 0.25 * (sync - 0.010)
+    assert ttt.time_to_target(study, "streaming", n, net) == [pytest.approx(9 * exact_step + 290 * streaming)]
+    shared = ttt.Network(net.intra, net.inter, 1, shared_cores=True)
+    assert ttt.step_time(study, "streaming", n, shared) == pytest.approx(0.010 + 0.25 * sync, rel=1e-12)
+
+
 def test_cli_prints_the_table_draws_the_plot_and_validates(tmp_path, capsys):
     path = tmp_path / "study.json"
     path.write_text(json.dumps(_study()))

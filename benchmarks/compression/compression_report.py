@@ -81,6 +81,26 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
+def bytes_to_target(row: dict, steps, start: int):
+    """Bytes this rank handed to collectives until the target: `start` steps of every gradient (the warm-up:
+    DDP's all-reduce, 1-bit Adam's all-gather), then the method's measured bytes per step; None if never."""
+    if steps is None:
+        return None
+    return min(steps, start) * row["param_bytes"] + max(0, steps - start) * row["bytes_measured"]
+
+
+def _cost(method: str, cost: dict, compute_1) -> float:
+    """What the method adds to a step (its world-size-1 step minus the noop's; 0 if not measured).
+
+    1-bit Adam at world size 1 compresses nothing (DeepSpeed's rule): its compression is comm.Sign with
+    error feedback on a flat tensor of every gradient's size, which the hook "Sign+EF" measures; added.
+    """
+    if method not in cost or not compute_1:
+        return 0.0
+    extra = cost["Sign+EF"] - compute_1 if task.METHODS[method] == "onebit" and "Sign+EF" in cost else 0.0
+    return cost[method] - compute_1 + extra
+
+
 def study(args, rows: list, lrs: dict) -> dict:
     """The study file (see the module docstring) from RUNS' rows and the chosen lrs."""
     latest, per_rank = _latest(rows), args.global_batch // 2
@@ -102,16 +122,20 @@ def study(args, rows: list, lrs: dict) -> dict:
         runs = [latest[k] for k in sorted(latest) if k[0] in ("sweep", "seeds") and k[1] == m and k[2] == lrs[m]
                 and k[4] == 2 and k[3] < args.seeds]
         first = runs[0]
+        start = first.get("method_start", args.start_iter)  # rows before 2026-12-04 lack it: start_iter
         methods[m] = {
             "lr": lrs[m], "seeds": [r["seed"] for r in runs], "steps_to_target": [r["steps_to_target"] for r in runs],
             "final_val_loss": [r["final_val_loss"] for r in runs],
             "bytes_measured": first["bytes_measured"], "bytes_analytical": first["bytes_analytical"],
-            "param_bytes": first["param_bytes"], "collectives": first["collectives"],
-            "cost_s": (cost[m] - compute["1"]) if m in cost and compute["1"] else 0.0,
+            "param_bytes": first["param_bytes"], "collectives": first["collectives"], "start_iter": start,
+            "bytes_to_target": [bytes_to_target(first, r["steps_to_target"], start) for r in runs],
+            "cost_s": _cost(m, cost, compute["1"]),
             "measured": {},
             "sweep": {str(r["lr"]): [r["steps_to_target"], r["final_val_loss"]] for k, r in latest.items()
                       if k[0] == "sweep" and k[1] == m},
         }
+        if "warmup_collectives" in first:
+            methods[m]["warmup_collectives"] = first["warmup_collectives"]
         for w, found in launches.items():  # the validation runs (seed 0, until the target), one per launch,
             # each with the compute measured in its launch (so with that launch's share of others' load)
             runs = [{"time_to_target_s": _after_first(launch["rows"][m]), "step_s": launch["rows"][m]["median_step_s"],
@@ -128,7 +152,8 @@ def study(args, rows: list, lrs: dict) -> dict:
             "task": f"CharMLP ({task.__name__}.py) on {task.Text.__doc__.split(':')[0].lower()}",
             "metric": "validation loss, nats per character", "target": args.target, "world_size": 2,
             "global_batch": args.global_batch, "steps": args.steps, "eval_every": args.eval_every,
-            "start_iter": args.start_iter, "lrs_swept": args.lrs, "compute_s": compute, "network": network,
+            "start_iter": args.start_iter, "lrs_swept": args.lrs, "adam_lrs_swept": args.adam_lrs,
+            "freeze_step": args.freeze_step, "compute_s": compute, "network": network,
             "methods": methods}
 
 
@@ -151,11 +176,12 @@ def tables(s: dict) -> str:
     exact = s["methods"]["exact"]
     lines = [f"Target: {s['metric']} <= {s['target']}; {len(exact['seeds'])} seeds; median (min-max).", "",
              "| method | lr | steps to target | final val loss | bytes/step measured | formula | vs exact | "
-             "collectives/step | cost ms/step |", "|" + " --- |" * 9]
+             "MB to target | collectives/step | cost ms/step |", "|" + " --- |" * 10]
     for name, m in s["methods"].items():
         lines.append(f"| {name} | {m['lr']:g} | {_spread(m['steps_to_target'])} | "
                      f"{_spread(m['final_val_loss'], '{:.3f}')} | {m['bytes_measured']:,.0f} | "
                      f"{m['bytes_analytical']:,.0f} | {m['bytes_measured'] / m['param_bytes']:.4f} | "
+                     f"{_spread([b and b / 1e6 for b in m['bytes_to_target']], '{:.1f}')} | "
                      f"{_collectives(m)} | {1e3 * m['cost_s']:.2f} |")
     lrs = sorted({lr for m in s["methods"].values() for lr in m["sweep"]}, key=float)  # every lr any method ran
     lines += ["", "LR sweep (seed 0): steps to target (final val loss); **bold**: chosen; -: not run", "",
@@ -204,6 +230,38 @@ def sanity(s: dict) -> list:
                 _med(m["final_val_loss"]) <= _med(e["final_val_loss"]) + 0.05
             out.append((f"{name} close to exact", "reproduced" if ok else "NOT reproduced",
                         f"{brief(name)}; {brief('exact')}"))
+    return out + headlines(s)
+
+
+# The papers' headlines: (method, baseline, factor of fewer bytes, the claim in words)
+HEADLINES = (("DeMo", "Adam", 85, "DeMo: ~85x less data than AdamW with DDP"),
+             ("Streaming DiLoCo /8 F2 4-bit", "exact", 100, "Streaming DiLoCo: ~100x less bandwidth, same loss"),
+             ("1-bit Adam", "Adam", 5, "1-bit Adam: 5x less communication than Adam, same convergence"))
+
+
+def headlines(s: dict) -> list:
+    """(claim, verdict, measured) per paper headline whose method and baseline are in the study.
+
+    Measured: the baseline's median bytes to the target over the method's (the same loss reached, so
+    "less data for the same loss"); reproduced when it reaches 0.8 x the paper's factor and the method
+    reaches the target in no more than 1.25 x the baseline's median steps. Bytes are what a rank hands
+    to collectives, at world size 2 (where an all-gather's input equals what a ring sends).
+    """
+    ms, out = s["methods"], []
+    for name, base, factor, claim in HEADLINES:
+        if name not in ms or base not in ms:
+            continue
+        m, b = ms[name], ms[base]
+        mine, theirs = _med(m["bytes_to_target"]), _med(b["bytes_to_target"])
+        if math.isinf(theirs):
+            out.append((claim, "no verdict", f"{base} never reached the target"))
+            continue
+        ratio = theirs / mine
+        steps = _med(m["steps_to_target"]) / _med(b["steps_to_target"])
+        ok = ratio >= 0.8 * factor and steps <= 1.25
+        out.append((claim, "reproduced" if ok else "NOT reproduced",
+                    f"{ratio:.1f}x fewer bytes to target than {base} ({b['bytes_measured'] / m['bytes_measured']:.1f}x "
+                    f"per step), {steps:.2f}x its steps"))
     return out
 
 

@@ -53,36 +53,44 @@ def run_one(method: str, lr: float, seed: int, text: task.Text, cfg: dict) -> di
     torch.manual_seed(seed)
     module = task.CharMLP(text.vocab, text.context)
     param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    recorder = task.RecordingDist() if method == "exact" else None  # the engine's all-reduces, noted
-    model = minidp.DDP(module, transport=recorder) if recorder else minidp.DDP(module)
+    spec = task.METHODS.get(method)
+    recorder = task.RecordingDist() if method in ("exact", "Adam") else None  # the engine's all-reduces, noted
+    if spec in task.NO_DDP:  # DeMo, 1-bit Adam: their step communicates (a plain module, as their authors')
+        model = module
+    else:
+        model = minidp.DDP(module, transport=recorder) if recorder else minidp.DDP(module)
+    opt = task.optimizer(method, module.parameters(), lr, cfg["freeze_step"])
     if method == "noop":
         model.register_comm_hook(None, _noop_hook)
         stepper, counter = None, None
     else:
-        stepper, counter = task.attach(model, method, cfg["start_iter"])
-    transport = recorder or getattr(counter, "transport", None)
-    opt = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
-    averaged = task.METHODS.get(method) in ("local", "diloco")
-    times, curve, reached, snapshot, calls = [], [], None, None, []
-    probe = cfg["start_iter"] + 2  # a compressed step whose collectives are noted
+        stepper, counter = task.attach(model, method, cfg["start_iter"], opt)
+    transport = recorder or getattr(counter, "transport", None) or getattr(
+        getattr(counter, "channel", None), "transport", None)  # DeMo's and 1-bit Adam's are their channel's
+    averaged = spec in ("local", "diloco", "streaming")
+    start = task.method_start(method, cfg)
+    times, curve, reached, snapshot = [], [], None, None
+    # the collectives of a step of the method (probe) and, where they differ, of one before it (1-bit Adam)
+    probes = {start + 2: "calls", **({2: "warmup_calls"} if spec == "onebit" else {})}
+    noted = {"calls": [], "warmup_calls": []}
     for step in range(cfg["steps"]):
-        if step == cfg["start_iter"]:
+        if step == start:
             snapshot = _counters(counter)
-        if transport is not None and step == probe:
+        if transport is not None and step in probes:
             transport.calls.clear()
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / cfg["start_iter"])
         x, y = text.batch(step, seed, cfg["global_batch"], rank, world)
-        start = time.perf_counter()
+        began = time.perf_counter()
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if stepper is not None:
             stepper.step()
-        times.append(time.perf_counter() - start)
-        if transport is not None and step == probe:
-            calls = list(transport.calls)
+        times.append(time.perf_counter() - began)
+        if transport is not None and step in probes:
+            noted[probes[step]] = list(transport.calls)
         if (step + 1) % cfg["eval_every"] == 0 or step + 1 == cfg["steps"]:
             if not torch.isfinite(loss):
                 curve.append((step + 1, float("nan")))
@@ -94,7 +102,9 @@ def run_one(method: str, lr: float, seed: int, text: task.Text, cfg: dict) -> di
                     break
     if counter is not None and hasattr(counter, "close"):
         counter.close()
-    compressed = max(1, len(times) - cfg["start_iter"])
+    if spec == "streaming":
+        stepper.sync()  # lands the syncs in flight (their bytes were counted when they started)
+    compressed = max(1, len(times) - start)
     measured, analytical = _counters(counter)
     base = snapshot or (0, 0)
     return {"method": method, "lr": lr, "seed": seed, "world_size": world, "steps_run": len(times),
@@ -106,7 +116,11 @@ def run_one(method: str, lr: float, seed: int, text: task.Text, cfg: dict) -> di
             "param_bytes": param_bytes,
             "bytes_measured": param_bytes if counter is None else (measured - base[0]) / compressed,
             "bytes_analytical": param_bytes if counter is None else (analytical - base[1]) / compressed,
-            "collectives": [] if method == "noop" else task.collectives(method, calls, param_bytes, world)}
+            "method_start": start,
+            "collectives": [] if method == "noop" else task.collectives(method, noted["calls"], param_bytes, world,
+                                                                        stepper),
+            **({"warmup_collectives": task.collectives(method, noted["warmup_calls"], param_bytes, world)}
+               if spec == "onebit" else {})}
 
 
 def _counters(counter) -> tuple:

@@ -9,7 +9,9 @@ Data: examples/train_lm.py's default_text() (the license files shipped in torch'
 else Python's LICENSE.txt), split 90/10 as its CharData does. A step's global batch is drawn from
 (seed, step) alone and each rank takes its slice, so a run sees the same samples at any world size
 (the validation at world size 4 keeps the global batch). The validation set is fixed (seed 0).
-METHODS maps a study name to how it communicates (see attach()).
+METHODS maps a study name to how it communicates (see attach()). Three methods bring their own optimizer
+(optimizer()): DeMo and 1-bit Adam communicate inside their step (no DDP wrapper: no gradient all-reduce,
+as their authors use them), and Adam is their exact baseline (DDP's all-reduce, torch.optim.Adam).
 """
 from __future__ import annotations
 
@@ -28,11 +30,39 @@ from minidp import comm  # noqa: E402
 
 START_ITER = 10  # exact steps before any method starts (local SGD and DiLoCo: their warm-up)
 LOCAL_PERIOD, DILOCO_PERIOD = 4, 8
+# Adam-like methods: betas (0.9, 0.95) (a common LM setting) so that 1-bit Adam's variance, frozen after its
+# warm-up of cfg["freeze_step"] steps, has settled (0.95 ** 40 = 13% of its start left; DeepSpeed's 0.999
+# needs thousands of steps). DeMo: the authors' defaults (decay 0.999, top 32 of each 64 x 64 DCT block).
+BETAS = (0.9, 0.95)
+# 1-bit Adam's eps: 1e-6, not the paper's 1e-8. Embedding rows of characters not yet seen when the variance
+# freezes (5 of 92 after 40 steps) keep v = 0, yet the compressed momentum gives every element +-scale: the
+# update scale / eps. At 1e-8 that diverged (lr 0.003, seed 0: nan by step 220); 1e-6 and 1e-4 trained.
+ONEBIT_EPS = 1e-6
+STREAMING = dict(fragments=2, sync_delay=1, quantize_bits=4)  # CharMLP has 3 modules: F=2 divides period 8
 
 
-def _diloco(model, period=DILOCO_PERIOD):
+def _diloco(model, period=DILOCO_PERIOD, start_iter=START_ITER, **streaming):
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)  # the paper's outer step
-    return comm.DiLoCo(model, outer, period=period, warmup_steps=START_ITER)
+    if streaming:
+        return comm.StreamingDiLoCo(model, outer, period=period, warmup_steps=start_iter, **streaming)
+    return comm.DiLoCo(model, outer, period=period, warmup_steps=start_iter)
+
+
+def optimizer(name: str, params, lr: float, freeze_step: int) -> torch.optim.Optimizer:
+    """Method `name`'s optimizer at `lr`: SGD momentum 0.9 unless the method brings its own (OWN_OPTIMIZER)."""
+    spec = METHODS.get(name)
+    if spec == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=BETAS)
+    if spec == "demo":
+        return comm.DeMo(params, lr=lr)  # ranks meet here (its transport's group)
+    if spec == "onebit":
+        return comm.OneBitAdam(params, lr=lr, betas=BETAS, eps=ONEBIT_EPS, freeze_step=freeze_step)  # ranks meet here
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def method_start(name: str, cfg: dict) -> int:
+    """Steps before the method's own communication starts: 1-bit Adam's freeze_step, DeMo's 0, else start_iter."""
+    return {"onebit": cfg["freeze_step"], "demo": 0}.get(METHODS.get(name), cfg["start_iter"])
 
 
 # name: (compressor factory, error feedback) for hooks; "local" / "diloco": parameter averaging; None: exact
@@ -47,7 +77,11 @@ METHODS = {
     "PowerSGD 4+EF": (lambda: comm.PowerSGD(4), True),
     f"local SGD /{LOCAL_PERIOD}": "local",
     f"DiLoCo /{DILOCO_PERIOD}": "diloco",
+    f"Streaming DiLoCo /{DILOCO_PERIOD} F2 4-bit": "streaming",
+    "Adam": "adam", "DeMo": "demo", "1-bit Adam": "onebit",
 }
+OWN_OPTIMIZER = ("adam", "demo", "onebit")  # swept over --adam-lrs: sign and Adam steps want a smaller lr
+NO_DDP = ("demo", "onebit")  # their step communicates; a plain module, no gradient all-reduce
 
 
 class Text:
@@ -113,20 +147,31 @@ class RecordingDist(comm.TorchDist):
         self.calls.append(("all_to_all", input.numel() * input.element_size()))
         return super().all_to_all(output, input)
 
+    @classmethod
+    def wrapping(cls, transport: comm.TorchDist) -> "RecordingDist":
+        """A RecordingDist on `transport`'s own group (no new group): for an optimizer's Channel."""
+        recording = cls.__new__(cls)
+        recording.__dict__.update(vars(transport), calls=[])
+        return recording
 
-def attach(model, name: str, start_iter: int = START_ITER):
+
+def attach(model, name: str, start_iter: int = START_ITER, opt=None):
     """Register method `name`'s communication on the minidp.DDP `model`: (what steps after opt.step(), counter).
 
-    The counter has stats() (bytes sent); a RecordingDist (as counter.transport) lists a hook's collectives.
+    The counter has stats() (bytes sent); a RecordingDist (as counter.transport) lists a hook's or an
+    optimizer's (DeMo, 1-bit Adam: `opt`, on a plain module) collectives.
     """
     spec = METHODS[name]
-    if spec is None:
+    if spec in NO_DDP:
+        opt.channel.transport = RecordingDist.wrapping(opt.channel.transport)
+        return None, opt
+    if spec in (None, "adam"):
         return None, None
     if spec == "local":
         averager = comm.PeriodicAverager(model, period=LOCAL_PERIOD, warmup_steps=start_iter)
         return averager, averager
-    if spec == "diloco":
-        diloco = _diloco(model)
+    if spec in ("diloco", "streaming"):
+        diloco = _diloco(model, start_iter=start_iter, **(STREAMING if spec == "streaming" else {}))
         return diloco, diloco
     make, ef = spec
     state, hook = comm.compression_hook(make(), memory=comm.ErrorFeedback() if ef else None,
@@ -135,14 +180,24 @@ def attach(model, name: str, start_iter: int = START_ITER):
     return None, state
 
 
-def collectives(name: str, calls: list, param_bytes: int, world_size: int) -> list:
+def collectives(name: str, calls: list, param_bytes: int, world_size: int, stepper=None) -> list:
     """The collectives of one compressed step as the simulator reads them.
 
     Each: op, bytes (this rank's input at `world_size`), per_step (how often per step), and scale:
     "fixed" (the same input at any world size) or "chunk" (input = bytes * world_size / N: Sign's
-    server stage sends only its 1/N chunk of the signs).
+    server stage sends only its 1/N chunk of the signs); Streaming DiLoCo's also overlap_steps (the
+    inner steps its sync runs beside). Streaming DiLoCo's (the `stepper`), per fragment every period
+    steps: the all-gathers of its 4-bit codes (two to a byte) and of its float32 scales, one per tensor.
     """
     spec = METHODS[name]
+    if spec == "streaming":
+        out = []
+        for fragment in stepper.fragments:
+            numel = sum(stepper.params[i].numel() for i in fragment)
+            for nbytes in (-(-numel // 2), 4 * len(fragment)):
+                out.append({"op": "all_gather", "bytes": nbytes, "per_step": 1 / stepper.period, "scale": "fixed",
+                            "overlap_steps": stepper.sync_delay})
+        return out
     if spec in ("local", "diloco"):
         period = LOCAL_PERIOD if spec == "local" else DILOCO_PERIOD
         return [{"op": "all_reduce", "bytes": param_bytes, "per_step": 1 / period, "scale": "fixed"}]

@@ -14,9 +14,12 @@ benchmarks/results to add to it on purpose). Each run prints one line as it fini
 Task (compression_task.py): a character-level MLP (16 characters of context, 313 k
 parameters) on the license texts shipped in torch's wheel, world size 2 on CPU (gloo), global batch
 128, SGD momentum 0.9 at a constant lr after a 10-step warm-up (exact steps, before every method).
+Adam (exact, DDP), DeMo and 1-bit Adam bring their own optimizer, at a constant lr after the same linear
+warm-up of the lr; DeMo communicates from the first step, 1-bit Adam exactly until --freeze-step.
 Phases, each a launch of its own:
-  sweep     every method at each --lrs value, seed 0 (world 2); a method's lr is the one with the fewest
-            steps to --target (ties: the lowest final validation loss)
+  sweep     every method at each --lrs value (Adam, DeMo, 1-bit Adam: each --adam-lrs value), seed 0
+            (world 2); a method's lr is the one with the fewest steps to --target (ties: the lowest final
+            validation loss)
   seeds     the other --seeds at each method's lr (world 2)
   cost      world size 1: each method's median step against a step with no communication (the "noop"
             hook): what compress, decompress and memory cost on this machine (one bucket here)
@@ -46,9 +49,9 @@ import minidp  # noqa: E402
 
 PHASES = ("sweep", "seeds", "cost", "validate", "network", "probe", "report")
 FULL = dict(steps=400, eval_every=10, global_batch=128, val_windows=4096, target=1.2, start_iter=task.START_ITER,
-            lrs="0.05,0.1,0.2", seeds=3, cost_steps=60)
+            lrs="0.05,0.1,0.2", adam_lrs="0.001,0.003,0.01", freeze_step=40, seeds=3, cost_steps=60)
 QUICK = dict(steps=24, eval_every=4, global_batch=16, val_windows=256, target=4.3, start_iter=4, lrs="0.1,0.4",
-             seeds=2, cost_steps=10)
+             adam_lrs="0.003", freeze_step=6, seeds=2, cost_steps=10)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -73,11 +76,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [m for m in args.methods if m not in task.METHODS]
     if unknown or not args.methods:
         p.error(f"--methods: unknown {unknown}; choose from {list(task.METHODS)}")
-    try:
-        args.lrs = [float(x) for x in args.lrs.split(",")]
-    except ValueError:
-        p.error(f"--lrs {args.lrs!r}: give comma-separated numbers, e.g. 0.05,0.1,0.2")
-    for name in ("steps", "eval_every", "global_batch", "seeds", "cost_steps"):
+    for name in ("lrs", "adam_lrs"):
+        try:
+            setattr(args, name, [float(x) for x in getattr(args, name).split(",")])
+        except ValueError:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)!r}: give comma-separated numbers, e.g. "
+                    f"{FULL[name]}")
+    for name in ("steps", "eval_every", "global_batch", "seeds", "cost_steps", "freeze_step"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if args.global_batch % 4:
@@ -87,7 +92,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def config(args) -> dict:
     return {k: getattr(args, k) for k in ("steps", "eval_every", "global_batch", "val_windows", "target",
-                                          "start_iter")}
+                                          "start_iter", "freeze_step")}
+
+
+def lrs_of(method: str, args) -> list:
+    """The lrs swept for `method`: --adam-lrs for those with their own optimizer (Adam, DeMo, 1-bit Adam)."""
+    return args.adam_lrs if task.METHODS[method] in task.OWN_OPTIMIZER else args.lrs
 
 
 def runs_path(args) -> str:
@@ -151,7 +161,7 @@ def launch(phase: str, jobs: list, world: int, cfg: dict, args) -> None:
 def run_phase(phase: str, args) -> None:
     cfg, seeds = config(args), range(args.seeds)
     if phase == "sweep":
-        launch(phase, [(m, lr, 0) for m in args.methods for lr in args.lrs], 2, cfg, args)
+        launch(phase, [(m, lr, 0) for m in args.methods for lr in lrs_of(m, args)], 2, cfg, args)
         return
     if phase == "probe":  # one process, no launch: what TopK and low rank keep of exact SGD's gradients
         energy = task.gradient_energy(task.Text.load())

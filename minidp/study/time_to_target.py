@@ -5,24 +5,31 @@
     python -m minidp.simulate --study ... --validate  # against the times to target measured on this machine
 
 Per method the study file holds: the steps each seed took to reach the target, the warm-up of exact
-steps before the method starts, the collectives of one step (op, this rank's input bytes, how often
-per step, whether the input shrinks as 1/N), and cost_s, what compress, decompress and memory add to
-a step on the measuring machine; and, once, compute_s: a step with no communication. Then
+steps before the method starts (the study's start_iter, or the method's own: DeMo 0, 1-bit Adam its
+freeze_step, whose warm-up all-gathers every gradient: its warmup_collectives), the collectives of one
+step (op, this rank's input bytes, how often per step, whether the input shrinks as 1/N, and how many
+compute steps it overlaps: Streaming DiLoCo's sync runs beside its next sync_delay inner steps), and
+cost_s, what compress, decompress and memory (or the method's own optimizer) add to a step on the
+measuring machine; and, once, compute_s: a step with no communication. Then
 
-    step(N)  = compute + cost + sum over collectives of per_step * time(op, bytes, N)
-    time     = (warmup - 1) * step_exact(N) + (steps_to_target - warmup) * step(N)
+    step(N)  = busy + sum over collectives of per_step * max(0, time(op, bytes, N) - overlap_steps * busy)
+    busy     = compute + cost          (with shared cores nothing overlaps: overlap_steps counts 0)
+    time     = (warmup - 1) * step_warmup(N) + (steps_to_target - warmup) * step(N)
 
-(the first step, with its one-time set-up of buckets and groups, is left out here and in the measured times)
+step_warmup is exact's step, or the method's with its warmup_collectives where it has them (the first
+step, with its one-time set-up of buckets and groups, is left out here and in the measured times; with no
+warm-up, steps_to_target - 1 steps of the method)
 
 with the collective times of the alpha-beta model (latency a per message, b seconds per byte):
 all-reduce from network.allreduce_time (ring or tree); all-gather, ring: (N - 1) a + (N - 1) P b,
 since each rank receives every other rank's payload P; all-to-all, pairwise: (N - 1) a +
 (N - 1) / N S b for an input of S bytes. A ring across nodes runs at its slowest link.
 
-Assumptions: nothing overlaps (communication after backward; near enough when the gradients fill one
-or two buckets, as in the study, and pessimistic for exact on big models, whose all-reduces hide
-behind backward); the per-rank batch stays as measured (weak scaling) and so do the steps to the target,
-though a larger global batch changes them, for each method differently; every rank computes alike.
+Assumptions: nothing overlaps but what a method overlaps itself (communication after backward; near
+enough when the gradients fill one or two buckets, as in the study, and pessimistic for exact on big
+models, whose all-reduces hide behind backward); the per-rank batch stays as measured (weak scaling)
+and so do the steps to the target, though a larger global batch changes them, for each method
+differently; every rank computes alike.
 """
 from __future__ import annotations
 
@@ -61,37 +68,53 @@ def collective_time(op: str, nbytes: float, world_size: int, net: Network) -> fl
     return (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bandwidth
 
 
-def comm_time(method: dict, world_size: int, net: Network, study_world: int) -> float:
-    """One step's communication: each collective at its frequency, chunked inputs rescaled to world_size."""
+def comm_time(method: dict, world_size: int, net: Network, study_world: int, busy_s: float = 0.0,
+              collectives: list | None = None) -> float:
+    """One step's communication: each collective at its frequency, chunked inputs rescaled to world_size.
+
+    A collective with overlap_steps k runs beside k steps of `busy_s` compute (not with net.shared_cores);
+    only what is left of it counts. collectives: default the method's.
+    """
     total = 0.0
-    for c in method["collectives"]:
+    for c in method["collectives"] if collectives is None else collectives:
         nbytes = c["bytes"] * study_world / world_size if c["scale"] == "chunk" else c["bytes"]
-        total += c["per_step"] * collective_time(c["op"], nbytes, world_size, net)
+        hidden = 0.0 if net.shared_cores else c.get("overlap_steps", 0) * busy_s
+        total += c["per_step"] * max(0.0, collective_time(c["op"], nbytes, world_size, net) - hidden)
     return total
 
 
 def step_time(study: dict, name: str, world_size: int, net: Network, compute_s: float | None = None,
-              compute_scale: float = 1.0) -> float:
+              compute_scale: float = 1.0, warmup: bool = False) -> float:
     """Predicted seconds of one step of method `name` (after its warm-up) at `world_size` ranks.
 
     Args:
         compute_s: the compute of a step. Default None: the study's at world size 1 (study["compute_s"]["1"]).
         compute_scale: multiplies compute and the method's cost (e.g. 0.02 for a processor 50x faster). Default 1.
+        warmup: a step of the method's own warm-up (its warmup_collectives) instead. Default False.
     """
     compute = study["compute_s"]["1"] if compute_s is None else compute_s
     scale = compute_scale * compute / study["compute_s"]["1"]  # the method's cost slows down as the compute does
     method = study["methods"][name]
-    return compute * compute_scale + max(0.0, method["cost_s"]) * scale + comm_time(
-        method, world_size, net, study["world_size"])
+    busy = compute * compute_scale + max(0.0, method["cost_s"]) * scale
+    return busy + comm_time(method, world_size, net, study["world_size"], busy,
+                            method["warmup_collectives"] if warmup else None)
 
 
 def time_to_target(study: dict, name: str, world_size: int, net: Network, **step_kwargs) -> list:
     """Predicted seconds to the target, one per seed (None where that seed never reached it)."""
-    warm = study["start_iter"]
-    exact = step_time(study, "exact", world_size, net, **step_kwargs)
+    method = study["methods"][name]
+    warm = method.get("start_iter", study["start_iter"])
+    own = "warmup_collectives" in method
+    warm_step = step_time(study, name if own else "exact", world_size, net, warmup=own, **step_kwargs)
     step = step_time(study, name, world_size, net, **step_kwargs)
-    return [None if s is None else max(0, min(s, warm) - 1) * exact + max(0, s - warm) * step
-            for s in study["methods"][name]["steps_to_target"]]
+    out = []
+    for s in method["steps_to_target"]:
+        if s is None:
+            out.append(None)
+            continue
+        warm_steps = max(0, min(s, warm) - 1)  # the first step left out, as in the measured times
+        out.append(warm_steps * warm_step + (s - 1 - warm_steps) * step)
+    return out
 
 
 def summarize(times: list) -> tuple:
