@@ -106,7 +106,8 @@ class Net(nn.Module):
 
 
 class TiedNet(Net):
-    """Net, and in the root's unit two layers sharing a weight, and a layer forward never uses."""
+    """Net, and in the root's unit two layers sharing a weight, and a layer forward never uses;
+    block 0 runs twice (its unit gathers and reduces twice in one step)."""
 
     def __init__(self):
         super().__init__()
@@ -114,7 +115,10 @@ class TiedNet(Net):
         self.mix2.weight = self.mix.weight
 
     def forward(self, x):
-        return super().forward(self.mix2(torch.tanh(self.mix(self.inp(x)))) @ self.inp.weight)
+        h = self.inp(self.mix2(torch.tanh(self.mix(self.inp(x)))) @ self.inp.weight)
+        for block in (self.blocks[0], self.blocks[1], self.blocks[0]):
+            h = block(h)
+        return self.head(h)
 
 
 def _sharded(engine, mesh, reshard, mp_policy=NO_MP, tied=False):
