@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_flatten
 
 import minidp
@@ -300,6 +300,15 @@ def _states(net, opt):
     return {"model": model, "optim": optim}
 
 
+def _default_mesh():
+    """What a fully_shard without mesh= shards over: (device type, mesh shape, placements)."""
+    out = {}
+    for engine, shard in ENGINES.items():
+        weight = shard(nn.Linear(3, 5)).weight
+        out[engine] = (weight.device_mesh.device_type, weight.device_mesh.shape, weight.placements)
+    return out
+
+
 def _hang(rank):
     """Rank 1 skips a forward: rank 0's all-gather times out (a group with a 1 s timeout), and its
     error names rank 1 (minidp's watchdog). Returns rank 0's error as (type, message)."""
@@ -324,6 +333,7 @@ def _worker(folder):
         "minidp->torch": _checkpoint("minidp", "torch", mesh, rank, f"{folder}/b"),
         "meta": _deferred_init(mesh, rank)}
     return {"training": training, "checkpoint": checkpoint, "errors": _bad_input(mesh),
+            "default mesh": _default_mesh(),
             "hang": _hang(rank) if dist.get_world_size() == 2 else None}
 
 
@@ -483,3 +493,9 @@ def test_deferred_init_on_meta_as_fsdp2(ranks):
         got = out["checkpoint"]["meta"]
         assert _same(got["minidp"], got["torch"]), rank
         assert _same(got["minidp"], ranks[0]["checkpoint"]["meta"]["minidp"]), rank
+
+
+def test_default_mesh_is_fsdp2s(ranks):
+    for rank, out in enumerate(ranks):
+        mine, theirs = out["default mesh"]["minidp"], out["default mesh"]["torch"]
+        assert mine == theirs == ("cpu", (len(ranks),), (Shard(0),)), rank

@@ -100,7 +100,9 @@ def _default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
         raise RuntimeError("minidp.fully_shard needs a process group: call minidp.init() (or "
                            "torch.distributed.init_process_group()) first, or pass mesh=")
-    accelerator = torch.accelerator.current_accelerator()
+    # current_accelerator() can name CUDA where no GPU is usable (seen: torch 2.14 on a CPU machine)
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() \
+        else None
     device_type = accelerator.type if accelerator is not None else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
