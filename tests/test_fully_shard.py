@@ -46,6 +46,7 @@ ENGINES = {"minidp": minidp.fully_shard, "torch": torch_fully_shard}
 
 
 NO_MP = MixedPrecisionPolicy()
+IGNORED = "blocks.1.down.bias"  # in the tied case: fully_shard(..., ignored_params={it})
 
 
 class Case(NamedTuple):
@@ -54,7 +55,8 @@ class Case(NamedTuple):
     clip: bool = False  # clip_grad_norm_(max_norm=0.05) before every step (the test: it clips)
     accumulate: int = 1  # micro-batches a step; the first without gradient sync
     mp: MixedPrecisionPolicy = NO_MP
-    tied: bool = False  # TiedNet: a tied weight used twice and an unused layer in the root's unit
+    # TiedNet: a tied weight used twice, a block run twice, an unused layer; IGNORED not sharded
+    tied: bool = False
     # explicit prefetch, out of the default order: the root starts block 1's gather in forward
     # (before block 0's) and block 0's in backward (before block 1's)
     prefetch: bool = False
@@ -126,15 +128,17 @@ def _sharded(engine, mesh, reshard, mp_policy=NO_MP, tied=False):
     net = TiedNet() if tied else Net()
     for block in net.blocks:
         # output_dtype on the root only: a block's fp32 output would meet the root's bf16 head
-        ENGINES[engine](block, mesh=mesh, reshard_after_forward=reshard,
+        ignored = {block.down.bias} if tied and block is net.blocks[1] else None
+        ENGINES[engine](block, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored,
                         mp_policy=dataclasses.replace(mp_policy, output_dtype=None))
     return ENGINES[engine](net, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
 
 
 def _layout(net):
     """What each rank holds: each parameter's type, placements, global and local shape, strides."""
-    return {name: (type(p).__name__, tuple(p.placements), tuple(p.shape), tuple(p.to_local().shape),
-                   p.to_local().stride()) for name, p in net.named_parameters()}
+    return {name: (type(p).__name__, tuple(getattr(p, "placements", ())), tuple(p.shape),
+                   tuple(_local(p).shape), _local(p).stride())
+            for name, p in net.named_parameters()}
 
 
 def _kinds(net):
@@ -206,19 +210,25 @@ def _train(engine, case, mesh, rank):
             norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
             out.setdefault("norms", []).append(norm.full_tensor())  # a replicated DTensor
         if step == STEPS - 1:
-            out["grads"] = [p.grad if p.grad is None else p.grad.to_local().clone()
+            out["grads"] = [p.grad if p.grad is None else _local(p.grad).clone()
                             for p in net.parameters()]
         opt.step()
         opt.zero_grad()
     with torch.no_grad():  # an evaluation: reshard_after_forward=False keeps the weights gathered
         net(x)
     out["state_dict"] = {k: type(v).__name__ for k, v in net.state_dict().items()}  # DTensors
-    out["full"] = {name: p.full_tensor() for name, p in net.named_parameters()}
+    out["full"] = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+                   for name, p in net.named_parameters()}
     net.blocks[1].unshard()
     out["unshard"] = (_kinds(net), net.blocks[1].up.weight.detach().clone())
     net.blocks[1].reshard()
     out["reshard"] = _kinds(net)
     return out
+
+
+def _local(t):
+    """This rank's part of a DTensor, or a plain tensor itself (an ignored parameter's)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _grouped(batches, size):
@@ -361,18 +371,23 @@ def test_training_equals_torch_fully_shard_bitwise(ranks, case):
     _ran(ranks, case)
     for rank, out in enumerate(ranks):
         mine, theirs = out["training"][case]["minidp"], out["training"][case]["torch"]
-        for key in ("full", "grads", "losses", "norms", "output_dtype", "state_dict"):
+        for key in ("full", "grads", "losses", "norms", "output_dtype", "state_dict", "layout"):
             assert _same(mine.get(key), theirs.get(key)), (case, rank, key)
         if CASES[case].clip:  # the norms were above max_norm: clipping scaled the gradients
             assert all(norm > 0.05 for norm in mine["norms"]), mine["norms"]
         # every rank ends with the same full weights, and they moved
-        assert _same(mine["full"], ranks[0]["training"][case]["minidp"]["full"]), (case, rank)
+        # (an ignored parameter is trained on each rank's own gradient)
+        assert _same({k: v for k, v in mine["full"].items() if k != IGNORED},
+                     {k: v for k, v in ranks[0]["training"][case]["minidp"]["full"].items()
+                      if k != IGNORED}), (case, rank)
     torch.manual_seed(0)
     first = dict((TiedNet() if CASES[case].tied else Net()).named_parameters())
     moved = {name for name, p in mine["full"].items() if not torch.equal(first[name], p)}
     assert moved == set(first) - {"unused.weight", "unused.bias"}, case  # unused: no gradient
     if CASES[case].tied:
         assert mine["grads"][-2:] == [None, None] and "mix2.weight" not in first
+        kinds = {name: kind for name, (kind, *_) in mine["layout"].items()}
+        assert kinds.pop(IGNORED) == "Parameter" and set(kinds.values()) == {"DTensor"}
 
 
 def test_shards_are_laid_out_as_fsdp2s(ranks):

@@ -33,7 +33,8 @@ NO_CASTS = MixedPrecisionPolicy()  # the default policy: compute, gather and red
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | None = True,
-                mp_policy: MixedPrecisionPolicy = NO_CASTS) -> nn.Module:
+                mp_policy: MixedPrecisionPolicy = NO_CASTS,
+                ignored_params: set | None = None) -> nn.Module:
     """Shard `module`'s parameters (less those a fully_shard below it shards); returns `module`.
 
     Args:
@@ -48,6 +49,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             in the parameters' dtype); reduce_dtype: the gradients' in the reduce-scatter;
             output_dtype: the forward's outputs are cast to it; cast_forward_inputs: the floating
             inputs are cast to param_dtype.
+        ignored_params: parameters left alone (default None): not sharded, not moved, their
+            gradients not reduced (as FSDP2: the caller syncs them if it wants to).
     """
     _check(module, mesh, reshard_after_forward, mp_policy)
     mesh = mesh if mesh is not None else _default_mesh()
@@ -57,7 +60,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     device = torch.device("cpu") if mesh.device_type == "cpu" else \
         torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
     managed = _managed_modules(module)
-    params = _managed_params(managed)
+    params = _managed_params(managed, set(ignored_params or ()))
     for m in managed:  # buffers go where the parameters go (FSDP2 moves them too)
         for name, buf in m._buffers.items():
             if buf is not None and buf.device != device and not buf.is_meta:
@@ -125,12 +128,12 @@ def _managed_modules(root: nn.Module) -> list:
     return modules
 
 
-def _managed_params(modules: list) -> list:
+def _managed_params(modules: list, ignored: set) -> list:
     """[(parameter, [(module, name), ...]), ...]: each parameter once, with every name it has."""
     places: dict = {}
     for module in modules:
         for name, param in module._parameters.items():
-            if param is None:
+            if param is None or param in ignored:
                 continue
             if param.dim() == 0:
                 raise ValueError("fully_shard doesn't support scalar parameters. "
