@@ -65,7 +65,9 @@ class Case(NamedTuple):
 CASES = {
     "adamw": Case("adamw"),
     "adamw-keep": Case("adamw", reshard=False),
-    "sgd": Case("sgd"),
+    # fp16 compute and reduction: FSDP2 divides by 2 before the SUM and by the rest after it
+    "sgd-fp16": Case("sgd", mp=MixedPrecisionPolicy(param_dtype=torch.float16,
+                                                    output_dtype=torch.float32)),
     "sgd-keep-clip": Case("sgd", reshard=False, clip=True),
     "adamw-tied-unused-keep": Case("adamw", reshard=False, tied=True),
     "adamw-default-accumulate": Case("adamw", reshard=None, accumulate=2, prefetch=True),
