@@ -248,6 +248,11 @@ def _bad_input(mesh):
     listing = nn.ModuleList([nn.Linear(2, 2)])
     out["container"] = (error_of(minidp.fully_shard, listing, mesh=mesh),
                         error_of(torch_fully_shard, nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh))
+    transposed = [nn.Linear(4, 6) for _ in range(2)]
+    for layer in transposed:
+        layer.weight = nn.Parameter(layer.weight.detach().t().contiguous().t())
+    out["non-contiguous"] = (error_of(minidp.fully_shard, transposed[0], mesh=mesh),
+                             error_of(torch_fully_shard, transposed[1], mesh=mesh))
     flat_mesh = init_device_mesh("cpu", (1, dist.get_world_size()))
     out["2-D mesh"] = (error_of(minidp.fully_shard, Net(), mesh=flat_mesh), None)
     out["reshard int"] = (error_of(minidp.fully_shard, Net(), mesh=mesh, reshard_after_forward=2),
@@ -464,6 +469,8 @@ def test_bad_input(ranks):
     errors = ranks[0]["errors"]
     mine, theirs = errors["container"]
     assert mine == theirs and mine[0] == "ValueError"
+    mine, theirs = errors["non-contiguous"]
+    assert mine == theirs and mine[0] == "NotImplementedError", (mine, theirs)
     (mine, message), (theirs, their_message) = errors["twice"]
     # the same words; the module's repr follows them (torch's module has changed class: FSDPNet)
     assert mine == theirs == "AssertionError", errors["twice"]

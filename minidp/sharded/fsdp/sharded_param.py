@@ -45,6 +45,9 @@ class ShardedParam:
     def __init__(self, param: nn.Parameter, places: list, mesh, device: torch.device, mp_policy):
         self.places, self.mesh = places, mesh
         world, rank = mesh.size(), mesh.get_local_rank()
+        if not param.is_contiguous():  # FSDP2's refusal, word for word
+            raise NotImplementedError("FSDP does not support non-contiguous parameters yet: "
+                                      f"{param.shape=} {param.stride()=}")
         # a meta parameter stays meta (deferred init: to_empty() then an init or a load; reset())
         data = param.detach() if param.is_meta else param.detach().to(device)
         self.size, self.stride = data.size(), contiguous_strides(data.size())
