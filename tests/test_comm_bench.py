@@ -33,7 +33,7 @@ def _run(*cmd, timeout=240):
     return subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-STREAMING = "Streaming DiLoCo /8 F2 4-bit"
+STREAMING = "Streaming DiLoCo /8"
 
 
 def test_compression_study_quick_run_writes_the_study(tmp_path):

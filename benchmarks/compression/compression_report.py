@@ -4,13 +4,13 @@
 
 study(): per method, at its chosen lr, over the seeds at world size 2: steps to the target, final
 validation loss, time to the target and median step (measured), bytes per step, the collectives of
-one step, and cost_s: the method's median step at world size 1 minus a step with no communication
-(what compress, decompress and memory cost here). compute_s: the no-communication step at world
-sizes 1, 2 and 4; network: the gloo links fitted at 2 and 4 ranks; measured: time to target and median
-step of the validation runs at world sizes 2 and 4, each with the compute measured in its own launch (before
-and after the runs), from the least loaded launch. Others' work shares the cores in bursts: the world-size-1
-costs take the fastest of their repeats (what the code costs), the validation pairs each run with its
-launch's load.
+one step, and cost_s: the method's median step at world size 1 over a step with no communication in
+the same launch (what compress, decompress and memory cost here; see cost_shares). compute_s: the
+no-communication step at world sizes 1, 2 and 4; network: the gloo links fitted at 2 and 4 ranks;
+measured: time to target and median step of the validation runs at world sizes 2 and 4, each with the
+compute measured in its own launch (before and after the runs), from the least loaded launch. Others'
+work shares the cores in bursts: the world-size-1 costs take the fastest of their repeats in each launch
+(what the code costs), the validation pairs each run with its launch's load.
 """
 from __future__ import annotations
 
@@ -89,28 +89,53 @@ def bytes_to_target(row: dict, steps, start: int):
     return min(steps, start) * row["param_bytes"] + max(0, steps - start) * row["bytes_measured"]
 
 
-def _cost(method: str, cost: dict, compute_1) -> float:
-    """What the method adds to a step (its world-size-1 step minus the noop's; 0 if not measured).
+def cost_shares(rows: list, per_rank: int) -> tuple:
+    """(compute_1, {method: cost share}) from the cost phase's launches (runs of consecutive cost rows).
+
+    compute_1: the fastest no-communication step of any launch (the least disturbed: what the compute
+    costs). A method's share, per launch: its fastest step over that launch's fastest no-communication
+    step, minus 1; the median over launches. Each method is paired with the compute of its own launch
+    because the machine's speed moved between launches and days (others' load: the no-communication
+    step measured 4.6 ms on 2026-12-03 and 1.9 ms on 2026-12-04), and the model scales a cost with the
+    compute anyway (time_to_target.step_time).
+    """
+    launches, current = [], None
+    for r in rows:
+        if r["phase"] == "cost" and r.get("per_rank_batch") == per_rank:
+            if current is None:
+                current = {}
+                launches.append(current)
+            current.setdefault(r["method"], []).append(r["median_step_s"])
+        else:
+            current = None
+    launches = [launch for launch in launches if "noop" in launch]
+    if not launches:
+        return None, {}
+    shares = {}
+    for launch in launches:
+        base = min(launch["noop"])
+        for m, steps in launch.items():
+            shares.setdefault(m, []).append(min(steps) / base - 1)
+    return min(min(launch["noop"]) for launch in launches), {m: statistics.median(v) for m, v in shares.items()}
+
+
+def _cost(method: str, shares: dict, compute_1) -> float:
+    """What the method adds to a step at compute_1 (its share of the compute; 0 if not measured).
 
     1-bit Adam at world size 1 compresses nothing (DeepSpeed's rule): its compression is comm.Sign with
     error feedback on a flat tensor of every gradient's size, which the hook "Sign+EF" measures; added.
     """
-    if method not in cost or not compute_1:
+    if method not in shares or not compute_1:
         return 0.0
-    extra = cost["Sign+EF"] - compute_1 if task.METHODS[method] == "onebit" and "Sign+EF" in cost else 0.0
-    return cost[method] - compute_1 + extra
+    extra = shares.get("Sign+EF", 0.0) if task.METHODS[method] == "onebit" else 0.0
+    return (shares[method] + extra) * compute_1
 
 
 def study(args, rows: list, lrs: dict) -> dict:
     """The study file (see the module docstring) from RUNS' rows and the chosen lrs."""
     latest, per_rank = _latest(rows), args.global_batch // 2
-    cost = {}
-    for r in rows:  # every repeat counts (the cost phase runs each method twice)
-        if r["phase"] == "cost" and r.get("per_rank_batch") == per_rank:
-            cost.setdefault(r["method"], []).append(r["median_step_s"])
-    # The least disturbed of the repeats: what the code costs, with as little of the others' load as measured.
-    cost = {m: min(v) for m, v in cost.items()}
-    compute = {"1": cost.get("noop")}
+    compute_1, shares = cost_shares(rows, per_rank)
+    compute = {"1": compute_1}
     launches = {w: _launches(rows, w) for w in (2, 4)}
     for w, found in launches.items():
         if found:
@@ -129,7 +154,7 @@ def study(args, rows: list, lrs: dict) -> dict:
             "bytes_measured": first["bytes_measured"], "bytes_analytical": first["bytes_analytical"],
             "param_bytes": first["param_bytes"], "collectives": first["collectives"], "start_iter": start,
             "bytes_to_target": [bytes_to_target(first, r["steps_to_target"], start) for r in runs],
-            "cost_s": _cost(m, cost, compute["1"]),
+            "cost_s": _cost(m, shares, compute_1),
             "measured": {},
             "sweep": {str(r["lr"]): [r["steps_to_target"], r["final_val_loss"]] for k, r in latest.items()
                       if k[0] == "sweep" and k[1] == m},
@@ -235,7 +260,7 @@ def sanity(s: dict) -> list:
 
 # The papers' headlines: (method, baseline, factor of fewer bytes, the claim in words)
 HEADLINES = (("DeMo", "Adam", 85, "DeMo: ~85x less data than AdamW with DDP"),
-             ("Streaming DiLoCo /8 F2 4-bit", "exact", 100, "Streaming DiLoCo: ~100x less bandwidth, same loss"),
+             ("Streaming DiLoCo /8", "exact", 100, "Streaming DiLoCo: ~100x less bandwidth, same loss"),
              ("1-bit Adam", "Adam", 5, "1-bit Adam: 5x less communication than Adam, same convergence"))
 
 

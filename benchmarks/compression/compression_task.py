@@ -77,7 +77,7 @@ METHODS = {
     "PowerSGD 4+EF": (lambda: comm.PowerSGD(4), True),
     f"local SGD /{LOCAL_PERIOD}": "local",
     f"DiLoCo /{DILOCO_PERIOD}": "diloco",
-    f"Streaming DiLoCo /{DILOCO_PERIOD} F2 4-bit": "streaming",
+    f"Streaming DiLoCo /{DILOCO_PERIOD}": "streaming",  # STREAMING: 2 fragments, sync_delay 1, 4 bits
     "Adam": "adam", "DeMo": "demo", "1-bit Adam": "onebit",
 }
 OWN_OPTIMIZER = ("adam", "demo", "onebit")  # swept over --adam-lrs: sign and Adam steps want a smaller lr

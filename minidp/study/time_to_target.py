@@ -156,13 +156,15 @@ def format_table(study: dict, table: dict) -> str:
     """Per bandwidth, methods x world sizes: time to target over exact's, median (seeds' min-max)."""
     lines = []
     sizes = sorted({n for _, n in table})
+    name_w = max(16, *(len(m) + 1 for m in study["methods"]))  # names as long as "Streaming DiLoCo ..." fit
+    cell_w = max(21, *(len(m) + 8 for m in study["methods"]))
     for gbit in sorted({g for g, _ in table}):
         lines += ["", f"{gbit:g} Gb/s: time to target / exact's (median over seeds, min-max)",
-                  f"{'method':<16}" + "".join(f"{n:>21}" for n in sizes)]
+                  f"{'method':<{name_w}}" + "".join(f"{n:>{cell_w}}" for n in sizes)]
         for m in study["methods"]:
-            lines.append(f"{m:<16}" + "".join(f"{_fmt(table[(gbit, n)][m]):>21}" for n in sizes))
+            lines.append(f"{m:<{name_w}}" + "".join(f"{_fmt(table[(gbit, n)][m]):>{cell_w}}" for n in sizes))
         best = [fastest(table[(gbit, n)]) for n in sizes]
-        lines.append(f"{'fastest':<16}" + "".join(f"{f'{name} x{up:.2f}':>21}" for name, up in best))
+        lines.append(f"{'fastest':<{name_w}}" + "".join(f"{f'{name} x{up:.2f}':>{cell_w}}" for name, up in best))
     return "\n".join(lines[1:])
 
 
@@ -196,11 +198,12 @@ def validate(study: dict) -> list:
 
 
 def format_validation(rows: list) -> str:
-    lines = [f"{'world':>5} {'method':<16} {'predicted s':>11} {'measured s':>10} {'error (runs min-max)':>24} "
+    w = max([16] + [len(r[1]) for r in rows])
+    lines = [f"{'world':>5} {'method':<{w}} {'predicted s':>11} {'measured s':>10} {'error (runs min-max)':>24} "
              f"{'step ms pred':>12} {'step ms meas':>12} {'error':>6}"]
-    for w, name, pred, meas, err, low, high, step, mstep, serr, n in rows:
+    for world, name, pred, meas, err, low, high, step, mstep, serr, n in rows:
         spread = f"{100 * err:+.0f}% ({n}: {100 * low:+.0f}..{100 * high:+.0f}%)"
-        lines.append(f"{w:>5} {name:<16} {pred:>11.2f} {meas:>10.2f} {spread:>24} {1e3 * step:>12.1f} "
+        lines.append(f"{world:>5} {name:<{w}} {pred:>11.2f} {meas:>10.2f} {spread:>24} {1e3 * step:>12.1f} "
                      f"{1e3 * mstep:>12.1f} {100 * serr:>+5.0f}%")
     return "\n".join(lines)
 
