@@ -62,9 +62,9 @@ class ShardedParam:
         self.unsharded: nn.Parameter | None = None
         self.set_on_modules(self.sharded)
         # FSDP2's clamps: no reduce cast when it equals param_dtype, no cast of a non-float param
-        wanted = mp_policy.param_dtype
-        self.compute_dtype = wanted if wanted and data.dtype.is_floating_point else data.dtype
-        self.reduce_dtype = None if mp_policy.reduce_dtype == wanted else mp_policy.reduce_dtype
+        self.param_dtype = mp_policy.param_dtype
+        self.reduce_dtype = None if mp_policy.reduce_dtype == self.param_dtype \
+            else mp_policy.reduce_dtype
         self.accumulated: torch.Tensor | None = None  # gradients kept across unsynced backwards
 
     def reset(self) -> None:
@@ -129,6 +129,12 @@ class ShardedParam:
         self.set_on_modules(self.sharded)
         if self.full is not None:
             self.full.untyped_storage().resize_(0)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The gathered copy's dtype: param_dtype, or the shard's own (which .to() may change)."""
+        floating = self.padded.dtype.is_floating_point
+        return self.param_dtype if self.param_dtype and floating else self.padded.dtype
 
     def gather_input(self) -> torch.Tensor:
         """What this rank sends to the all-gather: its padded rows, flat, in the compute dtype."""
