@@ -102,6 +102,20 @@ def test_the_lr_choice_and_the_sanity_verdicts():
                         "PowerSGD 4+EF close to exact": "NOT reproduced"}  # 310 steps > 1.25 x 210
 
 
+def test_a_cost_is_paired_with_the_compute_of_its_own_launch():
+    """The machine's speed moves between launches (1.9 ms against 4.6 ms a day apart): each launch's share of
+    its own no-communication step, the median over launches, at the fastest compute of any launch."""
+    def row(method, step_s, phase="cost"):
+        return {"phase": phase, "method": method, "per_rank_batch": 64, "median_step_s": step_s}
+    rows = [row("noop", 4.0), row("m", 6.0), row("noop", 5.0), row("m", 5.0), row("m", 1.0, "sweep"),
+            row("noop", 2.0), row("m", 3.0), row("Sign+EF", 6.0), row("m", 1.0, "seeds"),
+            row("noop", 2.0), row("m", 2.2), row("1-bit Adam", 2.4), row("noop", 9.0, "validate")]
+    compute_1, shares = compression_report.cost_shares(rows, 64)
+    assert compute_1 == 2.0 and shares["m"] == pytest.approx(0.25)  # median of 5/4, 3/2 and 2.2/2, less 1
+    # 1-bit Adam compresses nothing at world size 1: Sign+EF's share is added to its own
+    assert compression_report._cost("1-bit Adam", shares, compute_1) == pytest.approx((0.2 + 2.0) * 2.0)
+
+
 def _table_rows(stdout: str) -> list[dict]:
     header = ("| check ", "| ---")
     lines = [line for line in stdout.splitlines() if line.startswith("| ") and not line.startswith(header)]
