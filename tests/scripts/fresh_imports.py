@@ -24,10 +24,14 @@ report["torch_imported_by_the_launcher"] = "torch" in sys.modules
 report["launch_module"] = minidp.launch.__module__
 report["ddp_name"] = minidp.DDP.__name__  # loads torch and the engine now
 engine_hooks = sys.modules["minidp.engine.hooks"]
-# minidp.hooks is a module of its own (no sys.modules swap) that gives the engine's names, not copies
+# minidp.hooks is a module of its own (no sys.modules swap) that gives the engine's names, not copies,
+# and the sharded optimizer's hooks (minidp/sharded/overlap.py)
+zero_hooks = sys.modules["minidp.sharded.overlap"]
 report["hooks_names_are_the_engines"] = (
-    minidp.hooks is not engine_hooks and minidp.hooks.__all__ == engine_hooks.__all__
-    and all(getattr(minidp.hooks, n) is getattr(engine_hooks, n) for n in engine_hooks.__all__))
+    minidp.hooks is not engine_hooks
+    and minidp.hooks.__all__ == [*engine_hooks.__all__, "hook_with_zero_step", "hook_with_zero_step_interleaved"]
+    and all(getattr(minidp.hooks, n) is getattr(engine_hooks, n) for n in engine_hooks.__all__)
+    and all(getattr(minidp.hooks, n) is getattr(zero_hooks, n) for n in minidp.hooks.__all__[-2:]))
 
 import minidp.data  # noqa: E402
 import minidp.data.sampler  # noqa: E402, F401
