@@ -55,7 +55,8 @@ class Case(NamedTuple):
     clip: bool = False  # clip_grad_norm_(max_norm=0.05) before every step (the test: it clips)
     accumulate: int = 1  # micro-batches a step; the first without gradient sync
     mp: MixedPrecisionPolicy = NO_MP
-    # TiedNet: a tied weight used twice, a block run twice, an unused layer; IGNORED not sharded
+    # TiedNet: a tied weight (its two layers one unit, fully_shard([a, b])), a block run twice,
+    # an unused layer; IGNORED not sharded
     tied: bool = False
     # explicit prefetch, out of the default order: the root starts block 1's gather in forward
     # (before block 0's) and block 0's in backward (before block 1's)
@@ -133,6 +134,9 @@ def _sharded(engine, mesh, reshard, mp_policy=NO_MP, tied=False):
         ignored = {block.down.bias} if tied and block is net.blocks[1] else None
         ENGINES[engine](block, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored,
                         mp_policy=dataclasses.replace(mp_policy, output_dtype=None))
+    if tied:  # the two layers that share a weight: one unit for a list of modules, gathered
+        # before the first runs and freed after the second
+        ENGINES[engine]([net.mix, net.mix2], mesh=mesh, reshard_after_forward=True)
     return ENGINES[engine](net, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
 
 
@@ -380,6 +384,8 @@ def test_training_equals_torch_fully_shard_bitwise(ranks, case):
         mine, theirs = out["training"][case]["minidp"], out["training"][case]["torch"]
         for key in ("full", "grads", "losses", "norms", "output_dtype", "state_dict", "layout"):
             assert _same(mine.get(key), theirs.get(key)), (case, rank, key)
+        ours = [entry for entry in mine["trace"] if entry[0] != "in flight before"]
+        assert ours == theirs["trace"], (case, rank)  # the collectives of the first step
         if CASES[case].clip:  # the norms were above max_norm: clipping scaled the gradients
             assert all(norm > 0.05 for norm in mine["norms"]), mine["norms"]
         # every rank ends with the same full weights, and they moved

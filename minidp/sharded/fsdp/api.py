@@ -31,14 +31,15 @@ from .unit import Unit
 NO_CASTS = MixedPrecisionPolicy()  # the default policy: compute, gather and reduce in fp32
 
 
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
+def fully_shard(module: nn.Module | list, *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | None = True,
                 mp_policy: MixedPrecisionPolicy = NO_CASTS,
                 ignored_params: set | None = None) -> nn.Module:
     """Shard `module`'s parameters (less those a fully_shard below it shards); returns `module`.
 
     Args:
-        module: a module with a forward (not a bare ModuleList/ModuleDict, as FSDP2).
+        module: a module with a forward (not a bare ModuleList/ModuleDict, as FSDP2), or a list of
+            them: one unit for all (e.g. two modules that share a weight).
         mesh: a 1-D DeviceMesh (default None: every rank of the default process group, on the
             accelerator if there is one, else on the CPU).
         reshard_after_forward: free the gathered parameters after forward and gather them again in
@@ -52,14 +53,16 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         ignored_params: parameters left alone (default None): not sharded, not moved, their
             gradients not reduced (as FSDP2: the caller syncs them if it wants to).
     """
-    _check(module, mesh, reshard_after_forward, mp_policy)
+    modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+    for one in modules:
+        _check(one, mesh, reshard_after_forward, mp_policy)
     mesh = mesh if mesh is not None else _default_mesh()
     if mesh.ndim != 1:
         raise NotImplementedError(f"minidp.fully_shard takes a 1-D mesh; got mesh.ndim={mesh.ndim} "
                                   "(FSDP2's HSDP, a 2-D mesh, is not built in minidp)")
     device = torch.device("cpu") if mesh.device_type == "cpu" else \
         torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
-    managed = _managed_modules(module)
+    managed = _managed_modules(modules)
     params = _managed_params(managed, set(ignored_params or ()))
     for m in managed:  # buffers go where the parameters go (FSDP2 moves them too)
         for name, buf in m._buffers.items():
@@ -67,17 +70,18 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 m._buffers[name] = buf.to(device)
     unit = Unit(params, mesh, device, reshard_after_forward is not False, mp_policy) \
         if params else None
-    module.__dict__[STATE_ATTRIBUTE] = ModuleState(module, unit, reshard_after_forward is None,
-                                                   mp_policy)
-    for name, method in _METHODS.items():
-        setattr(module, name, types.MethodType(method, module))
+    state = ModuleState(modules, unit, reshard_after_forward is None, mp_policy)
+    for one in modules:
+        one.__dict__[STATE_ATTRIBUTE] = state
+        for name, method in _METHODS.items():
+            setattr(one, name, types.MethodType(method, one))
     return module
 
 
 def _check(module, mesh, reshard_after_forward, mp_policy) -> None:
     if not isinstance(module, nn.Module):
-        raise TypeError(f"minidp.fully_shard takes one nn.Module; got {type(module).__name__} "
-                        "(FSDP2's list of modules, one unit for several, is not built in minidp)")
+        raise TypeError(f"minidp.fully_shard takes an nn.Module or a list of them; got "
+                        f"{type(module).__name__}")
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and \
             type(module).forward is nn.Module.forward:
         raise ValueError(f"fully_shard does not support containers that do not implement forward: "
@@ -110,13 +114,13 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def _managed_modules(root: nn.Module) -> list:
-    """The modules whose parameters this call shards: `root`'s subtree minus fully_shard'ed
+def _managed_modules(roots: tuple) -> list:
+    """The modules whose parameters this call shards: the roots' subtrees minus fully_shard'ed
     subtrees, each module after its children (FSDP2's order, which is the flat buffers' order)."""
     modules, seen = [], set()
 
     def visit(module):
-        if module is not root and state_of(module) is not None:
+        if module not in roots and state_of(module) is not None:
             return
         seen.add(module)
         for child in module.children():
@@ -124,7 +128,9 @@ def _managed_modules(root: nn.Module) -> list:
                 visit(child)
         modules.append(module)
 
-    visit(root)
+    for root in roots:
+        if root not in seen:
+            visit(root)
     return modules
 
 
@@ -144,7 +150,8 @@ def _managed_params(modules: list, ignored: set) -> list:
 
 def _states(module: nn.Module, recurse: bool) -> list:
     modules = module.modules() if recurse else [module]
-    return [s for s in map(state_of, modules) if s is not None]
+    states = [s for s in map(state_of, modules) if s is not None]
+    return [s for i, s in enumerate(states) if s not in states[:i]]  # a list's state: once
 
 
 def unshard(self: nn.Module, async_op: bool = False):

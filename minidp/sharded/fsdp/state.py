@@ -79,15 +79,17 @@ class ModuleState:
     """One fully_shard call: its module, its unit (None when it manages no parameters), its hooks.
 
     Args:
-        module: the module fully_shard was applied to.
+        modules: the module fully_shard was applied to, or the modules of a list (one unit for
+            them all: it gathers before the first of them runs, frees after the last).
         unit: its parameters, or None.
         auto_reshard: reshard_after_forward was None: True, except for the root (FSDP2's rule: the
             root's parameters would be gathered again at once for backward).
         mp_policy: torch's MixedPrecisionPolicy: the casts of the floating inputs and outputs.
     """
 
-    def __init__(self, module: nn.Module, unit: Unit | None, auto_reshard: bool, mp_policy):
-        self.module, self.unit, self.auto_reshard = module, unit, auto_reshard
+    def __init__(self, modules: tuple, unit: Unit | None, auto_reshard: bool, mp_policy):
+        self.modules, self.unit, self.auto_reshard = modules, unit, auto_reshard
+        self.to_run: set = set()  # the modules whose forward has not run yet in this pass
         cast_inputs = mp_policy.cast_forward_inputs and mp_policy.param_dtype is not None
         self.input_dtype = mp_policy.param_dtype if cast_inputs else None
         self.output_dtype = mp_policy.output_dtype
@@ -96,18 +98,21 @@ class ModuleState:
         self.is_root: bool | None = None  # decided at the first forward
         self.step: Step | None = None
         self.phase = Phase.IDLE
-        module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self.post_forward)
+        for module in modules:
+            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self.post_forward)
 
     def _lazy_init(self) -> None:
         """At the first forward through this module: become the root of the states below it."""
         if self.is_root is not None:
             return
+        if len(self.modules) > 1:
+            raise RuntimeError(f"fully_shard requires a single root module but got {self.modules}")
         self.is_root = True
         states = []
-        for name, module in self.module.named_modules():
+        for name, module in self.modules[0].named_modules():
             state = state_of(module)
-            if state is None:
+            if state is None or state in states:  # a list's state sits on each of its modules
                 continue
             if state is not self:
                 if state.is_root is not None:
@@ -130,6 +135,9 @@ class ModuleState:
             if self.unit is not None:
                 self.unit.unshard()
             return args, kwargs
+        if self.to_run:  # a later module of the list: its unit is gathered already
+            return args, kwargs
+        self.to_run = set(self.modules)
         self.phase = Phase.FORWARD
         self._lazy_init()
         if self.step.forward_root is None:
@@ -144,6 +152,9 @@ class ModuleState:
 
     def post_forward(self, module: nn.Module, args: tuple, output):
         if self.phase == Phase.PRE_BACKWARD:
+            return cast_floats(output, self.output_dtype)
+        self.to_run.discard(module)
+        if self.to_run:  # not the last module of the list: the unit stays gathered
             return cast_floats(output, self.output_dtype)
         if self.unit is not None:
             self.unit.post_forward()
