@@ -2,12 +2,13 @@
 
     rows = run_jobs(jobs, cfg)   # inside minidp.launch's worker: [(method, lr, seed), ...] one after another
 
-A run: CharMLP from seed's initial weights, SGD momentum 0.9 at a constant lr after a linear warm-up of
-START_ITER steps (the methods start after it), the global batch drawn by (seed, step) and split over
-ranks, the validation loss every cfg["eval_every"] steps (of the ranks' mean parameters: the same as
-rank 0's except under local SGD and DiLoCo), stopped after cfg["steps"] steps. Step times exclude the
-evaluations. Per run: steps to cfg["target"] (None if never), the final validation loss, bytes per
-compressed step (the counter, and the compressor's formula), and the collectives of one compressed step.
+A run: CharMLP from seed's initial weights, SGD momentum 0.9 (Adam, DeMo, 1-bit Adam: their own, see
+task.optimizer) at a constant lr after a linear warm-up of START_ITER steps (the methods start after it:
+task.method_start), the global batch drawn by (seed, step) and split over ranks, the validation loss every
+cfg["eval_every"] steps (of the ranks' mean parameters: the same as rank 0's except under local SGD and
+the DiLoCos), stopped after cfg["steps"] steps. Step times exclude the evaluations. Per run: steps to
+cfg["target"] (None if never), the final validation loss, bytes per compressed step (the counter, and the
+compressor's formula), and the collectives of one compressed step (1-bit Adam: and of a warm-up step).
 """
 from __future__ import annotations
 
