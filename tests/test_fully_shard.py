@@ -349,11 +349,13 @@ def _worker(folder):
     cases = QUICK if dist.get_world_size() == 4 else CASES
     training = {name: {engine: _train(engine, CASES[name], mesh, rank) for engine in ENGINES}
                 for name in cases}
-    checkpoint = {} if dist.get_world_size() == 4 else {
+    world = dist.get_world_size()
+    # checkpoints at 2 ranks only (uneven shards already; time), deferred init at 1-3
+    checkpoint = {} if world != 2 else {
         "torch->minidp": _checkpoint("torch", "minidp", mesh, rank, f"{folder}/a"),
-        "minidp->torch": _checkpoint("minidp", "torch", mesh, rank, f"{folder}/b"),
-        "meta": _deferred_init(mesh, rank)}
+        "minidp->torch": _checkpoint("minidp", "torch", mesh, rank, f"{folder}/b")}
     return {"training": training, "checkpoint": checkpoint, "errors": _bad_input(mesh),
+            "meta": _deferred_init(mesh, rank) if world != 4 else None,
             "default mesh": _default_mesh(),
             "hang": _hang(rank) if dist.get_world_size() == 2 else None}
 
@@ -500,7 +502,7 @@ def test_checkpoint_moves_between_torch_and_minidp(ranks, direction):
     """torch.distributed.checkpoint saved by one engine, loaded by the other: one step later both
     have the same full weights and AdamW state, bit for bit."""
     if not ranks[0]["checkpoint"]:
-        pytest.skip("checkpoints run at 1-3 ranks")
+        pytest.skip("checkpoints run at 2 ranks")
     for rank, out in enumerate(ranks):
         got = out["checkpoint"][direction]
         assert _same(got["minidp"], got["torch"]), (direction, rank)
@@ -517,12 +519,11 @@ def test_a_rank_that_does_not_arrive_is_named(ranks):
 
 
 def test_deferred_init_on_meta_as_fsdp2(ranks):
-    if not ranks[0]["checkpoint"]:
+    if ranks[0]["meta"] is None:
         pytest.skip("runs at 1-3 ranks")
     for rank, out in enumerate(ranks):
-        got = out["checkpoint"]["meta"]
-        assert _same(got["minidp"], got["torch"]), rank
-        assert _same(got["minidp"], ranks[0]["checkpoint"]["meta"]["minidp"]), rank
+        assert _same(out["meta"]["minidp"], out["meta"]["torch"]), rank
+        assert _same(out["meta"]["minidp"], ranks[0]["meta"]["minidp"]), rank
 
 
 def test_default_mesh_is_fsdp2s(ranks):
