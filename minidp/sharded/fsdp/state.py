@@ -135,9 +135,10 @@ class ModuleState:
             if self.unit is not None:
                 self.unit.unshard()
             return args, kwargs
-        if self.to_run:  # a later module of the list: its unit is gathered already
-            return args, kwargs
-        self.to_run = set(self.modules)
+        if len(self.modules) > 1:  # a list: only the first of its modules to run gathers
+            if self.to_run:
+                return args, kwargs
+            self.to_run = set(self.modules)
         self.phase = Phase.FORWARD
         self._lazy_init()
         if self.step.forward_root is None:
