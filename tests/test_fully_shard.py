@@ -263,6 +263,11 @@ def _bad_input(mesh):
                           None)
     out["reshard str"] = (error_of(minidp.fully_shard, Net(), mesh=mesh,
                                    reshard_after_forward="yes"), None)
+    early = Net()  # an optimizer built before fully_shard holds the replaced parameters
+    before = torch.optim.AdamW(early.parameters())
+    minidp.fully_shard(early, mesh=mesh)
+    after = torch.optim.SGD(early.parameters())  # built after: it steps (no gradients yet)
+    out["optimizer before"] = (error_of(before.step), error_of(after.step))
     return out
 
 
@@ -486,6 +491,10 @@ def test_bad_input(ranks):
     assert errors["2-D mesh"][0][0] == "NotImplementedError" and "HSDP" in errors["2-D mesh"][0][1]
     assert errors["reshard int"][0][0] == "NotImplementedError"
     assert errors["reshard str"][0][0] == "TypeError"
+    refused, allowed = errors["optimizer before"]
+    assert refused[0] == "RuntimeError" and "AdamW" in refused[1], refused
+    assert "build the optimizer after fully_shard(...)" in refused[1].lower(), refused
+    assert allowed is None, allowed
 
 
 def test_minidp_does_not_run_torchs_fsdp():

@@ -12,12 +12,44 @@ saves it in forward and accumulates its .grad in backward. Resharding frees its 
 its storage to 0 bytes; unsharding grows the storage back and writes the gathered values into it
 through `full`, a second tensor on the same storage with its own version counter (so the tensors
 autograd saved in forward read the new values without a "modified by an inplace operation" error).
+
+The module's original parameter is replaced, not changed: an optimizer built before fully_shard
+would go on stepping it, a tensor no forward reads any more, and train nothing without a word.
+Each replaced parameter is marked, and one optimizer step pre-hook (torch's, global to every
+optimizer, registered at the first fully_shard) raises at such an optimizer's first step.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+REPLACED = "_minidp_replaced_by_fully_shard"  # marks an original parameter: where it was
+# torch's optimizer hooks are global: one registration serves every fully_shard (never removed)
+_step_check = None
+
+
+def mark_replaced(param: nn.Parameter, places: list) -> None:
+    """Mark `param` as replaced by its shard, and make sure optimizers are checked for it."""
+    global _step_check
+    module, name = places[0]
+    param.__dict__[REPLACED] = f"{type(module).__name__}.{name} {tuple(param.shape)}"
+    if _step_check is None:
+        _step_check = register_optimizer_step_pre_hook(check_optimizer)
+
+
+def check_optimizer(optimizer, args, kwargs) -> None:
+    """An optimizer step pre-hook: refuse to step parameters that fully_shard replaced."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            where = param.__dict__.get(REPLACED)
+            if where is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds parameters that minidp.fully_shard has "
+                    f"replaced by their shards (e.g. {where}): its step would update tensors no "
+                    "forward reads. Build the optimizer after fully_shard(...), from "
+                    "model.parameters()")
 
 
 def contiguous_strides(size) -> tuple:
@@ -61,6 +93,7 @@ class ShardedParam:
         self.full: torch.Tensor | None = None  # the gathered rows, padding included (flat)
         self.unsharded: nn.Parameter | None = None
         self.set_on_modules(self.sharded)
+        mark_replaced(param, places)
         # FSDP2's clamps: no reduce cast when it equals param_dtype, no cast of a non-float param
         self.param_dtype = mp_policy.param_dtype
         self.reduce_dtype = None if mp_policy.reduce_dtype == self.param_dtype \
