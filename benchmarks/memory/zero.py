@@ -31,7 +31,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,6 +41,7 @@ for path in (HERE, SHARED):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from rank_memory import build_model, launch_json, rss_mib, state_bytes  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
@@ -52,11 +52,6 @@ from minidp.study.memory_model import predict_memory  # noqa: E402
 
 CONFIGS = ("ddp", "torch_zero", "minidp_zero")
 LR = 1e-3
-
-
-def build_model(width: int, layers: int) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())])
 
 
 def make(config: str, width: int, layers: int):
@@ -107,35 +102,9 @@ def step(model, opt, x, y) -> None:
     opt.zero_grad()
 
 
-def state_bytes(local_opt) -> dict:
-    """Bytes of the tensors in the local optimizer's state, each storage once: moments and `step`s."""
-    seen, out = set(), {"moments": 0, "step": 0, "tensors": 0}
-    for param_state in local_opt.state.values():
-        for key, value in param_state.items():
-            if not torch.is_tensor(value):
-                continue
-            storage = value.untyped_storage()
-            if storage.data_ptr() in seen:
-                continue
-            seen.add(storage.data_ptr())
-            out["step" if key == "step" else "moments"] += storage.nbytes()
-            out["tensors"] += 1
-    out["params_held"] = sum(p.numel() for p in local_opt.state)
-    out["param_tensors_held"] = len(local_opt.state)
-    return out
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def _memory_rank(local_rank, config, width, layers, steps, out_path):
     torch.set_num_threads(1)
-    start_rss = _rss_mib()  # what the forked rank starts with (the parent's pages it touches)
+    start_rss = rss_mib()  # what the forked rank starts with (the parent's pages it touches)
     minidp.init(backend="gloo")
     model, opt, local_opt = make(config, width, layers)
     x, y = torch.randn(4, width), torch.randn(4, width)
@@ -171,12 +140,7 @@ def _timing_rank(local_rank, width, layers, steps, warmup, out_path):
     minidp.shutdown()
 
 
-def _launch(fn, nprocs, args):
-    with tempfile.TemporaryDirectory(prefix="minidp-zero-") as tmp:
-        out_path = os.path.join(tmp, "result.json")
-        minidp.launch(fn, nprocs=nprocs, args=(*args, out_path), start_method="fork")
-        with open(out_path) as f:
-            return json.load(f)
+_launch = launch_json
 
 
 def main(argv=None) -> int:
