@@ -107,8 +107,22 @@ def _logged_error(engine):
     return data.get("has_error"), data.get("error")
 
 
+def _logged_hook_errors(engine):
+    """The logging data's error after a hook refused at registration, and after a second registration."""
+    logged = []
+    for hooks in ([returns_int], [default_hooks.allreduce_hook, default_hooks.allreduce_hook]):
+        model = engine(build("mlp"))
+        for hook in hooks:
+            error_of(model.register_comm_hook, None, hook)
+        data = model._get_ddp_logging_data()
+        logged.append((data.get("has_error"), data.get("error")))
+    return logged
+
+
 def _hook_worker():
     out = {label: _logged_error(engine) for label, engine in (("minidp", minidp.DDP), ("torch", TorchDDP))}
+    out["hook_logged"] = {label: _logged_hook_errors(engine) for label, engine in (("minidp", minidp.DDP),
+                                                                                   ("torch", TorchDDP))}
     for name, (hook, twice, with_torch) in HOOK_CASES.items():
         engines = {"minidp": minidp.DDP, "torch": TorchDDP} if with_torch else {"minidp": minidp.DDP}
         for label, engine in engines.items():
@@ -122,6 +136,11 @@ def test_comm_hook_contract_errors_as_torch_ddp():
     for res in results:  # an error torch DDP logs (_log_and_throw) is in the logging data, as torch's
         assert res["minidp"] == res["torch"] == (
             1, "<class 'ValueError'>: DDP runtime logging sample rate should be equal or greater than 1")
+        # a refused hook is logged too (torch's test_ddp_invalid_comm_hook_return_type reads it); minidp's
+        # message starts with torch's sentence and then names the hook
+        for (ours, our_error), (theirs, their_error) in zip(*res["hook_logged"].values()):
+            assert ours == theirs == 1 and our_error.startswith(their_error.split(" minidp")[0]), (our_error,
+                                                                                                  their_error)
         for name, (_, _, with_torch) in HOOK_CASES.items():
             ours = res[name, "minidp"]
             if with_torch:  # the same outcome: the same exception type, or gradients bitwise equal

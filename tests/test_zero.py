@@ -246,7 +246,10 @@ def _closure_and_zero_grad(rank):
 
         loss = opt.step(closure)
         opt.zero_grad(set_to_none=False)
-        out[name] = (loss.detach(), snapshot(net), [p.grad for p in net.parameters()])
+        index = {p: i for i, p in enumerate(net.parameters())}
+        # torch's private _all_params (its own Join tests read it): the constructor's parameters, in order
+        out[name] = (loss.detach(), snapshot(net), [p.grad for p in net.parameters()],
+                     [index[p] for p in opt._all_params])
     return out
 
 
@@ -335,8 +338,9 @@ def test_uneven_inputs_under_join_as_torchs(ranks):
 
 def test_closure_and_zero_grad_as_torchs(ranks):
     for rank, out in enumerate(ranks):
-        (loss, weights, grads), theirs = out["closure"]["minidp"], out["closure"]["torch"]
-        assert _same((loss, weights, grads), theirs), rank
+        (loss, weights, grads, all_params), theirs = out["closure"]["minidp"], out["closure"]["torch"]
+        assert _same((loss, weights, grads, all_params), theirs), rank
+        assert all_params == list(range(len(weights))), rank
         assert all(g is not None and not g.any() for g in grads), rank
 
 

@@ -70,6 +70,11 @@ def buffers_to_sync(ddp) -> list[torch.Tensor]:
     return [b for n, b in ddp.module.named_buffers() if n not in ddp.parameters_to_ignore]
 
 
+def refuse_as_reducer(ddp, message: str):
+    """Raise RuntimeError(message), logged as torch's C++ reducer logs its errors (the bare message)."""
+    log_and_raise(ddp, RuntimeError, message, by_reducer=True)
+
+
 class TorchCompat:
     """torch DDP's methods and properties, with its values and behaviour (a base class of the wrapper,
     whose constructor and forward call none of them)."""

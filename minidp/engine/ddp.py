@@ -22,7 +22,7 @@ from .collectives import broadcast_coalesced, check_same_model
 from .compat import TorchCompat
 from .devices import check_devices, check_sync_batchnorm, move_inputs
 from .graph_split import ModuleRunner, forward_outside_dynamo
-from .hook_checks import check_comm_hook, hook_name
+from .hook_checks import hook_name
 from .inspection import Inspection
 from .join import JoinableDDP
 from .progress import track_progress
@@ -177,11 +177,11 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
         averages; its future's value is the reduced buffer. `state` is passed to every call.
         Register it before training.
         """
-        check_comm_hook(hook)  # TypeError / ValueError, as torch DDP's _check_comm_hook
+        self._check_comm_hook(hook)  # TypeError / ValueError, logged as torch DDP's (compat.py)
         if self.reducer.comm_hook is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be "
-                               "called once. minidp: a communication hook is registered already "
-                               f"({hook_name(self.reducer.comm_hook)})")
+            compat.refuse_as_reducer(self, "register_comm_hook or register_builtin_comm_hook can only be "
+                                     "called once. minidp: a communication hook is registered already "
+                                     f"({hook_name(self.reducer.comm_hook)})")
         self.reducer.comm_hook = hook
         self.reducer.comm_state = state
         self.reducer.layout.allocate_buffers()  # world size 1: buckets now; the hook sees them all

@@ -112,9 +112,13 @@ def logging_data(ddp) -> dict:
     return data
 
 
-def log_and_raise(ddp, err_type: type, message: str):
-    """Raise err_type(message), first noting it for _get_ddp_logging_data() (torch DDP's _log_and_throw)."""
-    ddp._logging.error = f"{err_type}: {message}"  # torch's format: "<class 'ValueError'>: ..."
+def log_and_raise(ddp, err_type: type, message: str, by_reducer: bool = False):
+    """Raise err_type(message), first noting it for _get_ddp_logging_data() (torch DDP's _log_and_throw).
+
+    by_reducer: an error torch's C++ reducer raises (REDUCER_CHECK), which logs the bare message.
+    """
+    # torch's format: "<class 'ValueError'>: ..."
+    ddp._logging.error = message if by_reducer else f"{err_type}: {message}"
     raise err_type(message)
 
 

@@ -26,20 +26,24 @@ def check_params(params: Any) -> list:
                         f"{torch.typename(params)}") from e
     if not entries:
         raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
-    if all(isinstance(p, torch.Tensor) for p in entries):
-        all_params = entries
-    elif all(isinstance(p, dict) for p in entries):
-        all_params = []
-        for group in entries:
-            if "params" not in group:
-                raise ValueError("Each parameter group passed-in via `params` must have a 'params' key "
-                                 "mapping to the parameters in the group")
-            group_params = group["params"]
-            all_params.extend([group_params] if isinstance(group_params, torch.Tensor) else group_params)
-    else:
+    if not (all(isinstance(p, torch.Tensor) for p in entries) or all(isinstance(p, dict) for p in entries)):
         raise TypeError("`params` argument should be an iterable of Tensors or dicts")
-    check_same_dense_type(all_params)
+    check_same_dense_type(all_params(entries))
     return entries
+
+
+def all_params(entries: list) -> list:
+    """Every parameter of `entries` (tensors, or group dicts with a "params" key), in order."""
+    if all(isinstance(p, torch.Tensor) for p in entries):
+        return list(entries)
+    params = []
+    for group in entries:
+        if "params" not in group:
+            raise ValueError("Each parameter group passed-in via `params` must have a 'params' key "
+                             "mapping to the parameters in the group")
+        group_params = group["params"]
+        params.extend([group_params] if isinstance(group_params, torch.Tensor) else group_params)
+    return params
 
 
 def check_same_dense_type(params: list) -> None:

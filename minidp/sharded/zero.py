@@ -52,6 +52,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def __init__(self, params, optimizer_class: type[Optimizer], process_group: Any = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, **defaults: Any):
         params = arguments.check_params(params)
+        # torch's attribute of this name (its join hook tests read it): the constructor's parameters
+        self._all_params = arguments.all_params(params)
         self.initialized = False  # Optimizer.__init__ calls add_param_group: no partition yet
         Optimizer.__init__(self, params, defaults)
         Joinable.__init__(self)
