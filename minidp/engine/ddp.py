@@ -179,9 +179,9 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
         """
         self._check_comm_hook(hook)  # TypeError / ValueError, logged as torch DDP's (compat.py)
         if self.reducer.comm_hook is not None:
-            compat.refuse_as_reducer(self, "register_comm_hook or register_builtin_comm_hook can only be "
-                                     "called once. minidp: a communication hook is registered already "
-                                     f"({hook_name(self.reducer.comm_hook)})")
+            compat.refuse_as_reducer(self, "register_comm_hook or register_builtin_comm_hook can "
+                                     "only be called once. minidp: a communication hook is "
+                                     f"registered already ({hook_name(self.reducer.comm_hook)})")
         self.reducer.comm_hook = hook
         self.reducer.comm_state = state
         self.reducer.layout.allocate_buffers()  # world size 1: buckets now; the hook sees them all
