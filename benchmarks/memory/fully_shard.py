@@ -1,0 +1,290 @@
+"""Does minidp.fully_shard hold what torch's FSDP2 holds per rank, as predicted, at FSDP2's step time?
+
+    python benchmarks/memory/fully_shard.py            # world sizes 2 and 4, 25 M parameters (minutes)
+    python benchmarks/memory/fully_shard.py --quick    # tiny model, world size 2 only (seconds; the smoke test:
+                                                       # the five in one launch, so its peak RSS mixes them)
+
+Five configurations on `layers` x (Linear(width, width), Tanh) (shared/rank_memory.py's model, as
+memory/zero.py), AdamW on each, each configuration in fresh forked CPU ranks of its own (gloo, one
+thread a rank) so that peaks do not mix:
+
+  ddp                torch DDP (gradient_as_bucket_view=True: the gradients are the buckets)
+  torch_fsdp         torch's fully_shard on each Linear, then on the root, reshard_after_forward=True
+  minidp_fsdp        minidp.fully_shard, the same calls
+  torch_fsdp_keep    reshard_after_forward=False (FSDP's SHARD_GRAD_OP, ZeRO-2-like)
+  minidp_fsdp_keep   the same with minidp's
+
+How the bytes are counted: each rank samples what it holds at many points of a step (every module's
+forward pre-hook, after the unit's gather, and forward hook, before its free: both prepended to the
+engines' own hooks; every module's full backward pre-hook and backward hook; after backward; after
+the optimizer step), for `steps` steps. A sample is the bytes of three kinds of tensors, each storage
+once (a storage resized to 0, a freed gathered weight, counts 0):
+  parameters  the module's parameters (the sharded DTensors' local tensors) and, for the FSDPs, every
+              gathered per-parameter copy alive (minidp: each ShardedParam's `full`; torch: each
+              FSDPParam's `all_gather_outputs`, read from FSDP2's internals: a benchmark may, minidp may not)
+  gradients   the parameters' .grad (FSDP: the sharded DTensor's) and the gathered copies' .grad
+              (full gradients waiting for their reduce-scatter; FSDP2's unsharded_accumulated_grad)
+  optimizer   the AdamW state (moments and `step`s)
+The peak is the sample with the largest sum; its three parts are printed. Not counted: the flat
+buffers the collectives use while in flight (all-gather output, reduce-scatter input), activations and
+autograd's saved tensors: the process's peak RSS (VmHWM, shared/memory.py's peak_mib) holds them all.
+
+The prediction is minidp.study.memory_model.predict_memory(params, N, k=8, weight_bytes=4,
+grad_bytes=4) (fp32 weights and gradients, AdamW's two fp32 moments): DDP's row for ddp, ZeRO-3's
+((4 + 4 + 8) Ψ / N) for reshard_after_forward=True, ZeRO-2's (4 Ψ + (4 + 8) Ψ / N) for False. The
+paper's stages hold no working set: a ZeRO-3 rank really holds, at its peak, one or two units gathered
+(the one computing, the one prefetched) and one unit's full gradients, and a ZeRO-2 (keep) rank holds
+its fp32 shards beside the whole gathered weights (the paper's mixed precision counts the fp32 master
+weights in K). So the measured peak sits above the row by that working set: printed as "over".
+
+Then the step time: the five in the same two processes, alternating every step (a barrier before
+each), medians after warm-up; ratios minidp / torch FSDP2 (each reshard setting) and minidp / DDP.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHARED = os.path.join(os.path.dirname(HERE), "shared")
+for path in (HERE, SHARED):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from rank_memory import build_model, launch_json, rss_mib, state_bytes, storage_bytes  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard as torch_fully_shard  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
+
+import minidp  # noqa: E402
+from memory import peak_mib  # noqa: E402  (shared/memory.py: VmHWM on CPU)
+from minidp.sharded.fsdp.state import state_of  # noqa: E402
+from minidp.study.memory_model import predict_memory  # noqa: E402
+
+CONFIGS = ("ddp", "torch_fsdp", "minidp_fsdp", "torch_fsdp_keep", "minidp_fsdp_keep")
+STAGE = {"ddp": 0, "torch_fsdp": 3, "minidp_fsdp": 3, "torch_fsdp_keep": 2, "minidp_fsdp_keep": 2}
+PAIRS = (("minidp_fsdp", "torch_fsdp"), ("minidp_fsdp_keep", "torch_fsdp_keep"),
+         ("minidp_fsdp", "ddp"), ("minidp_fsdp_keep", "ddp"), ("torch_fsdp", "ddp"))
+LR = 1e-3
+BATCH = 4
+
+
+def make(config: str, width: int, layers: int, mesh):
+    """(model to call, optimizer)."""
+    model = build_model(width, layers)
+    if config == "ddp":
+        model = TorchDDP(model, gradient_as_bucket_view=True)
+    else:
+        shard = minidp.fully_shard if config.startswith("minidp") else torch_fully_shard
+        reshard = not config.endswith("_keep")
+        for m in model:
+            if isinstance(m, nn.Linear):
+                shard(m, mesh=mesh, reshard_after_forward=reshard)
+        shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def gathered(model) -> tuple[list, list]:
+    """(gathered parameter copies, their gradients) an FSDP holds now, minidp's or torch's."""
+    params, grads = [], []
+    for m in model.modules():
+        state = state_of(m)
+        if state is not None and state.unit is not None:  # minidp
+            for p in state.unit.params:
+                params.append(p.full)
+                grads += [None if p.unsharded is None else p.unsharded.grad, p.accumulated]
+        get_state = getattr(m, "_get_fsdp_state", None)
+        if get_state is not None:  # torch's FSDP2: its internals
+            for group in get_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    params += list(fp.all_gather_outputs)
+                    unsharded = getattr(fp, "_unsharded_param", None)
+                    grads += [None if unsharded is None else unsharded.grad, fp.unsharded_accumulated_grad]
+    return params, grads
+
+
+class Sampler:
+    """What a rank holds, sampled at hooks: the sample with the most bytes (see the docstring)."""
+
+    def __init__(self, model, opt):
+        self.model, self.opt, self.peak = model, opt, {"total": 0}
+        self.sharded = list(model.parameters())
+        for m in model.modules():
+            m.register_forward_pre_hook(lambda *a: self.sample("forward"), prepend=True)
+            m.register_forward_hook(lambda *a: self.sample("forward"), prepend=True)
+            if not isinstance(m, (TorchDDP, nn.Sequential)):
+                m.register_full_backward_pre_hook(lambda *a: self.sample("backward"))
+                m.register_full_backward_hook(lambda *a: self.sample("backward"))
+
+    def sample(self, where: str) -> None:
+        seen = set()
+        current = [p for m in self.model.modules() for p in m._parameters.values()]
+        more_params, more_grads = gathered(self.model)
+        params = storage_bytes(self.sharded + current + more_params, seen)
+        grads = storage_bytes([p.grad for p in self.sharded + current] + more_grads, seen)
+        state = state_bytes(self.opt)
+        optimizer = state["moments"] + state["step"]
+        total = params + grads + optimizer
+        if total > self.peak["total"]:
+            self.peak = {"total": total, "params": params, "grads": grads, "optimizer": optimizer,
+                         "where": where}
+
+
+def step(model, opt, x, y, sampler=None) -> None:
+    nn.functional.mse_loss(model(x), y).backward()
+    if sampler is not None:
+        sampler.sample("after backward")
+    opt.step()
+    if sampler is not None:
+        sampler.sample("after step")
+    opt.zero_grad()
+
+
+def _quiet() -> None:
+    """The sampler's full backward hooks make torch warn (the first Linear's input needs no grad; the
+    root returns the hook's view): not the engines' doing."""
+    for message in ("Full backward hook is firing", "FSDP2-wrapped module"):
+        warnings.filterwarnings("ignore", message=message)
+
+
+def _memory_rank(local_rank, configs, width, layers, steps, out_path):
+    """Each configuration of `configs` in turn (one, but for --quick: its peak RSS then mixes them)."""
+    torch.set_num_threads(1)
+    _quiet()
+    start_rss = rss_mib()
+    minidp.init(backend="gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x, y = torch.randn(BATCH, width), torch.randn(BATCH, width)
+    mine = []
+    for config in configs:
+        model, opt = make(config, width, layers, mesh)
+        sampler = Sampler(model, opt)
+        for _ in range(steps):
+            step(model, opt, x, y, sampler)
+        mine.append({"peak": sampler.peak, "state": state_bytes(opt), "start_rss_mib": start_rss,
+                     "peak_mib": peak_mib(torch.device("cpu"))})
+        del model, opt, sampler
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)  # ranks meet here
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump([[ranks[i] for ranks in everyone] for i in range(len(configs))], f)
+    minidp.shutdown()
+
+
+def _timing_rank(local_rank, width, layers, steps, warmup, out_path):
+    torch.set_num_threads(1)
+    minidp.init(backend="gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    engines = {config: make(config, width, layers, mesh) for config in CONFIGS}
+    x, y = torch.randn(BATCH, width), torch.randn(BATCH, width)
+    times = {key: [] for key in engines}
+    for i in range(warmup + steps):
+        for key, (model, opt) in engines.items():  # alternate every step
+            dist.barrier()  # ranks meet here: each timed step starts together
+            start = time.perf_counter()
+            step(model, opt, x, y)
+            if i >= warmup:
+                times[key].append(time.perf_counter() - start)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump({k: 1e3 * statistics.median(t) for k, t in times.items()}, f)
+    minidp.shutdown()
+
+
+def memory_table(args, params: int) -> list:
+    """Run every configuration at every world size; print the table; return its rows."""
+    header = (f"{'N':>2} {'config':<17} {'params':>7} {'grads':>7} {'optim':>7} {'total':>7} "
+              f"{'predicted':>9} {'over':>6} {'peak at':>14} {'peak RSS':>8}")
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for n in args.world_sizes:
+        pred = predict_memory(params, n, k=8, weight_bytes=4, grad_bytes=4)
+        # one launch per configuration, so that peaks do not mix; --quick: one launch for all
+        groups = [args.configs] if args.quick else [[c] for c in args.configs]
+        measured = [r for g in groups for r in launch_json(_memory_rank, n, (g, args.width, args.layers,
+                                                                               args.steps))]
+        for config, ranks in zip(args.configs, measured):
+            top = max(ranks, key=lambda r: r["peak"]["total"])["peak"]
+            predicted = pred[STAGE[config]]["total"]
+            rss = max(r["peak_mib"] for r in ranks)
+            rows.append({"world_size": n, "config": config, "peaks": [r["peak"] for r in ranks],
+                         "state": [r["state"] for r in ranks], "predicted_bytes": predicted,
+                         "predicted_row": pred[STAGE[config]]["name"], "peak_rss_mib": rss,
+                         "start_rss_mib": max(r["start_rss_mib"] for r in ranks)})
+            mib = lambda b: f"{b / 2**20:7.1f}"  # noqa: E731
+            print(f"{n:>2} {config:<17} {mib(top['params'])} {mib(top['grads'])} {mib(top['optimizer'])} "
+                  f"{mib(top['total'])} {predicted / 2**20:9.1f} {top['total'] / predicted - 1:+6.1%} "
+                  f"{top['where']:>14} {rss:8.1f}", flush=True)
+    return rows
+
+
+def compare(rows: list) -> None:
+    """minidp against torch's FSDP2: the optimizer state rank by rank, the peaks."""
+    for n in sorted({r["world_size"] for r in rows}):
+        by = {r["config"]: r for r in rows if r["world_size"] == n}
+        for mine, theirs in PAIRS[:2]:
+            if mine not in by or theirs not in by:
+                continue
+            a, b = by[mine], by[theirs]
+            same = [s["moments"] for s in a["state"]] == [s["moments"] for s in b["state"]]
+            ta, tb = (max(p["total"] for p in r["peaks"]) for r in (a, b))
+            print(f"N={n} {mine} / {theirs}: optimizer state per rank equal rank by rank: {same}; "
+                  f"peak tensor bytes {ta / 2**20:.1f} / {tb / 2**20:.1f} MiB = {ta / tb:.3f}; "
+                  f"peak RSS {a['peak_rss_mib']:.1f} / {b['peak_rss_mib']:.1f} MiB = "
+                  f"{a['peak_rss_mib'] / b['peak_rss_mib']:.3f}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps, world size 2 only")
+    p.add_argument("--width", type=int, default=2048, help="Linear width (default 2048)")
+    p.add_argument("--layers", type=int, default=6, help="Linear layers, one unit each (default 6: 25.2 M)")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument("--steps", type=int, default=3, help="sampled steps per configuration (default 3)")
+    p.add_argument("--no-timing", action="store_true", help="skip the step-time comparison")
+    p.add_argument("--time-world-size", type=int, default=2)
+    p.add_argument("--time-steps", type=int, default=40, help="timed steps per engine (default 40)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--json", help="also write every number here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.width, args.layers, args.world_sizes, args.steps = 128, 4, [2], 2
+        args.time_steps, args.warmup = 6, 2
+    params = sum(q.numel() for q in build_model(args.width, args.layers).parameters())
+    print(f"minidp from {os.path.dirname(minidp.__file__)}, torch {torch.__version__}; forked CPU ranks, "
+          f"gloo, 1 thread each")
+    print(f"model: {args.layers} x (Linear({args.width}, {args.width}), Tanh) = {params:,} parameters, "
+          f"one unit per Linear; batch {BATCH}; AdamW; {args.steps} sampled steps")
+    print("MiB per rank at the sampled peak (the rank with the most): params + grads + optim = total; "
+          "predicted = predict_memory(params, N, k=8, weight_bytes=4, grad_bytes=4)['total'] of DDP "
+          "(ddp), ZeRO-3 (reshard True), ZeRO-2 (_keep); over = total / predicted - 1; peak RSS = max VmHWM")
+    print()
+    result = {"args": vars(args), "params": params, "memory": memory_table(args, params)}
+    print()
+    compare(result["memory"])
+    if not args.no_timing:
+        n = args.time_world_size
+        times = launch_json(_timing_rank, n, (args.width, args.layers, args.time_steps, args.warmup))
+        result["step_ms"] = times
+        print(f"step time, N={n}, {args.time_steps} timed steps each after {args.warmup}, the five "
+              "alternating every step: median " + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items()))
+        print("ratios: " + ", ".join(f"{a} / {b} {times[a] / times[b]:.3f}" for a, b in PAIRS))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

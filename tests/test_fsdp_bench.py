@@ -1,0 +1,26 @@
+"""Smoke test of benchmarks/memory/fully_shard.py --quick: it runs all five configurations and the timing,
+and what does not depend on timing holds: the counted DDP bytes are predict_memory's DDP row exactly
+(plus AdamW's 4-byte `step`s), and
+minidp's optimizer state equals torch FSDP2's rank by rank (reshard_after_forward True and False)."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_fully_shard_memory_benchmark_quick(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "memory", "fully_shard.py"), "--quick",
+                          "--json", str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    rows = {r["config"]: r for r in result["memory"]}
+    assert set(rows) == {"ddp", "torch_fsdp", "minidp_fsdp", "torch_fsdp_keep", "minidp_fsdp_keep"}
+    for peak, state in zip(rows["ddp"]["peaks"], rows["ddp"]["state"]):  # AdamW's `step`s: beside the row
+        assert peak["total"] == rows["ddp"]["predicted_bytes"] + state["step"]
+    for mine, theirs in (("minidp_fsdp", "torch_fsdp"), ("minidp_fsdp_keep", "torch_fsdp_keep")):
+        assert rows[mine]["state"] == rows[theirs]["state"]
+        assert rows[mine]["state"][0]["moments"] == rows["ddp"]["state"][0]["moments"] // 2
+    assert "equal rank by rank: True" in out.stdout and "equal rank by rank: False" not in out.stdout
+    assert set(result["step_ms"]) == set(rows)
