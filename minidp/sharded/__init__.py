@@ -1,7 +1,8 @@
 """Sharded data parallelism: each rank keeps a shard of the optimizer state, gradients or weights.
 
-ZeRO-1 is here (minidp.ZeroRedundancyOptimizer); fully_shard (ZeRO-2/3) comes next. Read in this
-order (README.md is the chapter: what ZeRO-1 is, and a map to torch's functions):
+ZeRO-1 (minidp.ZeroRedundancyOptimizer) and fully_shard (ZeRO-2/3, FSDP2's API: the fsdp/ folder,
+its own reading order in fsdp/__init__.py). Read in this order (README.md is the chapter: what ZeRO-1
+and fully_shard are, and maps to torch's functions):
   zero.py         ZeroRedundancyOptimizer: local optimizer over this rank's shard, step, broadcasts
   partition.py    which rank steps which parameter (torch's sorted-greedy rule), pure functions
   flat_params.py  parameters_as_bucket_view=True: a rank's shard as views into one flat buffer
