@@ -24,3 +24,19 @@ def test_fully_shard_memory_benchmark_quick(tmp_path):
         assert rows[mine]["state"][0]["moments"] == rows["ddp"]["state"][0]["moments"] // 2
     assert "equal rank by rank: True" in out.stdout and "equal rank by rank: False" not in out.stdout
     assert set(result["step_ms"]) == set(rows)
+
+
+def test_fully_shard_timeline_quick(tmp_path):
+    """benchmarks/overlap/fsdp_timeline.py --quick: a PNG, and a trace with both collectives' lanes on each rank."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "overlap", "fsdp_timeline.py"), "--quick",
+                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    stem = tmp_path / "results" / "fsdp_timeline_cpu"
+    assert (stem.with_suffix(".png")).stat().st_size > 0
+    trace = json.loads(stem.with_suffix(".json").read_text())
+    trace = trace["traceEvents"] if isinstance(trace, dict) else trace
+    lanes = {(e["pid"], e["args"]["name"]) for e in trace if e.get("name") == "thread_name"}
+    for rank in (0, 1):
+        assert {(rank, "fully_shard all-gather"), (rank, "fully_shard reduce-scatter")} <= lanes
+    spans = [e for e in trace if e.get("ph") == "X" and e["pid"] == 0 and e["name"] in ("0", "2", "4", "6")]
+    assert spans  # each Linear's unit (modules "0", "2", ...) has spans
