@@ -45,9 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -58,7 +56,7 @@ for path in (HERE, SHARED):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from rank_memory import build_model, launch_json, rss_mib, state_bytes, storage_bytes  # noqa: E402
+from rank_memory import alternate_every_step, build_model, launch_json, rss_mib, state_bytes, storage_bytes  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard as torch_fully_shard  # noqa: E402
@@ -186,17 +184,10 @@ def _timing_rank(local_rank, width, layers, steps, warmup, out_path):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     engines = {config: make(config, width, layers, mesh) for config in CONFIGS}
     x, y = torch.randn(BATCH, width), torch.randn(BATCH, width)
-    times = {key: [] for key in engines}
-    for i in range(warmup + steps):
-        for key, (model, opt) in engines.items():  # alternate every step
-            dist.barrier()  # ranks meet here: each timed step starts together
-            start = time.perf_counter()
-            step(model, opt, x, y)
-            if i >= warmup:
-                times[key].append(time.perf_counter() - start)
+    times = alternate_every_step(engines, step, x, y, steps, warmup)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
-            json.dump({k: 1e3 * statistics.median(t) for k, t in times.items()}, f)
+            json.dump(times, f)
     minidp.shutdown()
 
 

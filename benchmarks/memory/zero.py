@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.path.join(os.path.dirname(HERE), "shared")
@@ -41,7 +39,7 @@ for path in (HERE, SHARED):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from rank_memory import build_model, launch_json, rss_mib, state_bytes  # noqa: E402
+from rank_memory import alternate_every_step, build_model, launch_json, rss_mib, state_bytes  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
@@ -126,17 +124,10 @@ def _timing_rank(local_rank, width, layers, steps, warmup, out_path):
     engines |= {key: make_overlapped(key, width, layers)
                 for key in ("minidp_overlap", "torch_overlap", "minidp_interleaved")}
     x, y = torch.randn(4, width), torch.randn(4, width)
-    times = {key: [] for key in engines}
-    for i in range(warmup + steps):
-        for key, (model, opt) in engines.items():  # alternate every step
-            dist.barrier()  # each timed step starts together on every rank
-            start = time.perf_counter()
-            step(model, opt, x, y)
-            if i >= warmup:
-                times[key].append(time.perf_counter() - start)
+    times = alternate_every_step(engines, step, x, y, steps, warmup)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
-            json.dump({k: 1e3 * statistics.median(t) for k, t in times.items()}, f)
+            json.dump(times, f)
     minidp.shutdown()
 
 

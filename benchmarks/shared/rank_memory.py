@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
+import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import minidp
@@ -72,3 +75,17 @@ def launch_json(fn, nprocs: int, args: tuple):
         minidp.launch(fn, nprocs=nprocs, args=(*args, out_path), start_method="fork")
         with open(out_path) as f:
             return json.load(f)
+
+
+def alternate_every_step(engines: dict, step, x, y, steps: int, warmup: int) -> dict:
+    """{key: median ms} of step(model, opt, x, y) for each (model, opt) in `engines`, the engines taking
+    turns every step (warm-up steps not timed); a barrier before each, so ranks start it together."""
+    times = {key: [] for key in engines}
+    for i in range(warmup + steps):
+        for key, (model, opt) in engines.items():  # alternate every step
+            dist.barrier()  # ranks meet here: each timed step starts together
+            start = time.perf_counter()
+            step(model, opt, x, y)
+            if i >= warmup:
+                times[key].append(time.perf_counter() - start)
+    return {key: 1e3 * statistics.median(t) for key, t in times.items()}
