@@ -25,9 +25,11 @@ once (a storage resized to 0, a freed gathered weight, counts 0):
   gradients   the parameters' .grad (FSDP: the sharded DTensor's) and the gathered copies' .grad
               (full gradients waiting for their reduce-scatter; FSDP2's unsharded_accumulated_grad)
   optimizer   the AdamW state (moments and `step`s)
-The peak is the sample with the largest sum; its three parts are printed. Not counted: the flat
-buffers the collectives use while in flight (all-gather output, reduce-scatter input), activations and
-autograd's saved tensors: the process's peak RSS (VmHWM, shared/memory.py's peak_mib) holds them all.
+The peak is the sample with the largest sum; its three parts are printed. Apart from them ("comm",
+the most over the samples, and "+comm", the most of the sum with them): the collectives' flat buffers
+in flight (all-gather outputs, reduce-scatter inputs and minidp's outputs not yet waited; FSDP2's from
+its internals). Not counted: activations and autograd's saved tensors: the process's peak RSS (VmHWM,
+shared/memory.py's peak_mib) holds them all.
 
 The prediction is minidp.study.memory_model.predict_memory(params, N, k=8, weight_bytes=4,
 grad_bytes=4) (fp32 weights and gradients, AdamW's two fp32 moments): DDP's row for ddp, ZeRO-3's
@@ -90,15 +92,18 @@ def make(config: str, width: int, layers: int, mesh):
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 
-def gathered(model) -> tuple[list, list]:
-    """(gathered parameter copies, their gradients) an FSDP holds now, minidp's or torch's."""
-    params, grads = [], []
+def gathered(model) -> tuple[list, list, list]:
+    """(gathered parameter copies, their gradients, the collectives' flat buffers in flight) an FSDP
+    holds now, minidp's or torch's."""
+    params, grads, comm = [], [], []
     for m in model.modules():
         state = state_of(m)
         if state is not None and state.unit is not None:  # minidp
             for p in state.unit.params:
                 params.append(p.full)
                 grads += [None if p.unsharded is None else p.unsharded.grad, p.accumulated]
+            comm += [None if state.unit.gather is None else state.unit.gather.output]
+            comm += [t for r in state.unit.reduces for t in (r.scatter, r.mine)]
         get_state = getattr(m, "_get_fsdp_state", None)
         if get_state is not None:  # torch's FSDP2: its internals
             for group in get_state()._fsdp_param_groups:
@@ -106,14 +111,20 @@ def gathered(model) -> tuple[list, list]:
                     params += list(fp.all_gather_outputs)
                     unsharded = getattr(fp, "_unsharded_param", None)
                     grads += [None if unsharded is None else unsharded.grad, fp.unsharded_accumulated_grad]
-    return params, grads
+                result = group._all_gather_result
+                comm += [None if result is None else result.all_gather_output]
+                ctx = group.comm_ctx
+                comm += [s.reduce_scatter_input for s in getattr(ctx, "reduce_scatter_states", [])]
+                state = getattr(ctx, "all_gather_state", None)
+                comm += [None if state is None else state.all_gather_result.all_gather_output]
+    return params, grads, comm
 
 
 class Sampler:
     """What a rank holds, sampled at hooks: the sample with the most bytes (see the docstring)."""
 
     def __init__(self, model, opt):
-        self.model, self.opt, self.peak = model, opt, {"total": 0}
+        self.model, self.opt, self.peak = model, opt, {"total": 0, "comm_max": 0, "with_comm_max": 0}
         self.sharded = list(model.parameters())
         for m in model.modules():
             m.register_forward_pre_hook(lambda *a: self.sample("forward"), prepend=True)
@@ -125,15 +136,17 @@ class Sampler:
     def sample(self, where: str) -> None:
         seen = set()
         current = [p for m in self.model.modules() for p in m._parameters.values()]
-        more_params, more_grads = gathered(self.model)
+        more_params, more_grads, comm = gathered(self.model)
         params = storage_bytes(self.sharded + current + more_params, seen)
         grads = storage_bytes([p.grad for p in self.sharded + current] + more_grads, seen)
+        comm = storage_bytes(comm, seen)
         state = state_bytes(self.opt)
         optimizer = state["moments"] + state["step"]
         total = params + grads + optimizer
+        self.peak["comm_max"] = max(self.peak.get("comm_max", 0), comm)
+        self.peak["with_comm_max"] = max(self.peak.get("with_comm_max", 0), total + comm)
         if total > self.peak["total"]:
-            self.peak = {"total": total, "params": params, "grads": grads, "optimizer": optimizer,
-                         "where": where}
+            self.peak.update(total=total, params=params, grads=grads, optimizer=optimizer, where=where)
 
 
 def step(model, opt, x, y, sampler=None) -> None:
@@ -194,7 +207,7 @@ def _timing_rank(local_rank, width, layers, steps, warmup, out_path):
 def memory_table(args, params: int) -> list:
     """Run every configuration at every world size; print the table; return its rows."""
     header = (f"{'N':>2} {'config':<17} {'params':>7} {'grads':>7} {'optim':>7} {'total':>7} "
-              f"{'predicted':>9} {'over':>6} {'peak at':>14} {'peak RSS':>8}")
+              f"{'predicted':>9} {'over':>6} {'peak at':>14} {'comm':>6} {'+comm':>7} {'peak RSS':>8}")
     print(header)
     print("-" * len(header))
     rows = []
@@ -208,6 +221,8 @@ def memory_table(args, params: int) -> list:
             top = max(ranks, key=lambda r: r["peak"]["total"])["peak"]
             predicted = pred[STAGE[config]]["total"]
             rss = max(r["peak_mib"] for r in ranks)
+            comm = max(r["peak"]["comm_max"] for r in ranks)
+            with_comm = max(r["peak"]["with_comm_max"] for r in ranks)
             rows.append({"world_size": n, "config": config, "peaks": [r["peak"] for r in ranks],
                          "state": [r["state"] for r in ranks], "predicted_bytes": predicted,
                          "predicted_row": pred[STAGE[config]]["name"], "peak_rss_mib": rss,
@@ -215,7 +230,7 @@ def memory_table(args, params: int) -> list:
             mib = lambda b: f"{b / 2**20:7.1f}"  # noqa: E731
             print(f"{n:>2} {config:<17} {mib(top['params'])} {mib(top['grads'])} {mib(top['optimizer'])} "
                   f"{mib(top['total'])} {predicted / 2**20:9.1f} {top['total'] / predicted - 1:+6.1%} "
-                  f"{top['where']:>14} {rss:8.1f}", flush=True)
+                  f"{top['where']:>14} {comm / 2**20:6.1f} {with_comm / 2**20:7.1f} {rss:8.1f}", flush=True)
     return rows
 
 
@@ -259,7 +274,8 @@ def main(argv=None) -> int:
           f"one unit per Linear; batch {BATCH}; AdamW; {args.steps} sampled steps")
     print("MiB per rank at the sampled peak (the rank with the most): params + grads + optim = total; "
           "predicted = predict_memory(params, N, k=8, weight_bytes=4, grad_bytes=4)['total'] of DDP "
-          "(ddp), ZeRO-3 (reshard True), ZeRO-2 (_keep); over = total / predicted - 1; peak RSS = max VmHWM")
+          "(ddp), ZeRO-3 (reshard True), ZeRO-2 (_keep); over = total / predicted - 1; comm = the collectives' flat "
+          "buffers in flight (most), +comm = the most of total + comm; peak RSS = max VmHWM")
     print()
     result = {"args": vars(args), "params": params, "memory": memory_table(args, params)}
     print()
