@@ -1,7 +1,8 @@
 """Smoke test of benchmarks/memory/fully_shard.py --quick: it runs all five configurations and the timing,
 and what does not depend on timing holds: the counted DDP bytes are predict_memory's DDP row exactly
 (plus AdamW's 4-byte `step`s), and
-minidp's optimizer state equals torch FSDP2's rank by rank (reshard_after_forward True and False)."""
+minidp's optimizer state equals torch FSDP2's rank by rank (reshard_after_forward True and False), and
+its counted bytes at the peak are no more than FSDP2's (equal with the collectives' buffers)."""
 import json
 import os
 import subprocess
@@ -22,6 +23,9 @@ def test_fully_shard_memory_benchmark_quick(tmp_path):
     for mine, theirs in (("minidp_fsdp", "torch_fsdp"), ("minidp_fsdp_keep", "torch_fsdp_keep")):
         assert rows[mine]["state"] == rows[theirs]["state"]
         assert rows[mine]["state"][0]["moments"] == rows["ddp"]["state"][0]["moments"] // 2
+        # counted tensors at the sampled peak: no more than FSDP2's; with the collectives' buffers, the same
+        for a, b in zip(rows[mine]["peaks"], rows[theirs]["peaks"]):
+            assert a["total"] <= b["total"] and a["with_comm_max"] == b["with_comm_max"], (mine, a, b)
     assert "equal rank by rank: True" in out.stdout and "equal rank by rank: False" not in out.stdout
     assert set(result["step_ms"]) == set(rows)
 
