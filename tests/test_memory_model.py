@@ -38,7 +38,7 @@ def test_figure_1_as_the_real_command_prints_it(tmp_path):
     assert table["DDP"][:3] == ["15", "15", "90"]  # 2Ψ, 2Ψ, KΨ
     # 2Ψ elements of 2 bytes, of which a ring sends 63/64; ZeRO-3 3Ψ
     assert [table[name][4:] for name in table] == [["29.5", "2Ψ"]] * 3 + [["44.3", "3Ψ"]]
-    assert "ZeRO-2 and ZeRO-3 are predictions only" in proc.stdout
+    assert "ZeRO-2/3 (fully_shard) benchmarks/memory/fully_shard.py" in proc.stdout
 
 
 def test_the_formulas_by_hand():

@@ -78,7 +78,8 @@ def format_memory_table(rows: list, params: float, ranks: int, k: float) -> str:
         lines.append(f"{r['name'] + ' (' + r['paper_name'] + ')':<20}{sizes[0]:>9}{sizes[1]:>10}{sizes[2]:>10}"
                      f"{sizes[3]:>8}   {sizes[4]:>9}{str(r['volume']) + 'Ψ':>8}")
     lines += ["volume: the paper's elements a rank moves per step; sent: a ring's (N-1)/N of them, 2 bytes each",
-              "ZeRO-2 and ZeRO-3 are predictions only here: minidp implements DDP and, soon, ZeRO-1"]
+              "measured beside torch's: ZeRO-1 benchmarks/memory/zero.py, ZeRO-2/3 (fully_shard) "
+              "benchmarks/memory/fully_shard.py (results in benchmarks/RESULTS.md)"]
     return "\n".join(lines)
 
 
