@@ -35,3 +35,13 @@ Second read, one file per mode or feature, each saying what it changes in the co
                   arrive during backward under torch.compile, in both wrapping orders
   progress.py     where this rank is in its step, for the watchdog that names a stuck or lost rank
 """
+import atexit
+
+from ..runtime.env import settle_threads
+
+# gloo frees a finished collective's work on its own thread, and minidp's buckets are tensors Python made:
+# if the last reference goes after Python began finalizing (a script that ends without minidp.shutdown(),
+# e.g. under Lightning, which keeps the process group), that thread cannot take the GIL and the process
+# aborts ("terminate called without an active exception"). So before finalizing, wait (at most 2 s) until
+# every other thread is idle, as shutdown() does.
+atexit.register(settle_threads)

@@ -117,8 +117,9 @@ def log_and_raise(ddp, err_type: type, message: str, by_reducer: bool = False):
 
     by_reducer: an error torch's C++ reducer raises (REDUCER_CHECK), which logs the bare message.
     """
-    # torch's format: "<class 'ValueError'>: ..."
-    ddp._logging.error = message if by_reducer else f"{err_type}: {message}"
+    record = ddp.__dict__.get("_logging")  # None before construction ends (the checks come first)
+    if record is not None:  # torch's format: "<class 'ValueError'>: ..."
+        record.error = message if by_reducer else f"{err_type}: {message}"
     raise err_type(message)
 
 
