@@ -159,7 +159,9 @@ def test_command_line_errors(capsys):
 
 def test_measured_sweep_fits_a_link():
     with workers_forked():  # its 2 ranks forked from this process (the harness's choice), not spawned
-        sweep = measure_allreduce(2, sizes=(4096, 1 << 20, 4 << 20), repeats=3)
+        # sizes 4,000x apart and 5 repeats: under other jobs' load, 1 and 4 MiB with 3 repeats once
+        # measured the larger faster, and the fit's bandwidth came out negative
+        sweep = measure_allreduce(2, sizes=(4096, 4 << 20, 16 << 20), repeats=5)
     link = fit_ring(sweep, 2)
-    assert set(sweep) == {4096, 1 << 20, 4 << 20} and all(t > 0 for t in sweep.values())
+    assert set(sweep) == {4096, 4 << 20, 16 << 20} and all(t > 0 for t in sweep.values())
     assert link.latency_s >= 0 and math.isfinite(link.bandwidth) and link.bandwidth > 0

@@ -36,12 +36,19 @@ Second read, one file per mode or feature, each saying what it changes in the co
   progress.py     where this rank is in its step, for the watchdog that names a stuck or lost rank
 """
 import atexit
+import sys
 
-from ..runtime.env import settle_threads
 
-# gloo frees a finished collective's work on its own thread, and minidp's buckets are tensors Python made:
-# if the last reference goes after Python began finalizing (a script that ends without minidp.shutdown(),
-# e.g. under Lightning, which keeps the process group), that thread cannot take the GIL and the process
-# aborts ("terminate called without an active exception"). So before finalizing, wait (at most 2 s) until
-# every other thread is idle, as shutdown() does.
-atexit.register(settle_threads)
+def _settle_at_exit() -> None:
+    """gloo frees a finished collective's work on its own thread, and minidp's buckets are tensors Python
+    made: if the last reference goes after Python began finalizing (a script that ends without
+    minidp.shutdown(), e.g. under Lightning, which keeps the process group), that thread cannot take the
+    GIL and the process aborts ("terminate called without an active exception"). So before finalizing,
+    wait (at most 2 s) until every other thread is idle, as shutdown() does. Only where torch is loaded:
+    the planner and the simulator import this package without torch, and must not import it at exit."""
+    if "torch" in sys.modules:
+        from ..runtime.env import settle_threads
+        settle_threads()
+
+
+atexit.register(_settle_at_exit)
