@@ -13,18 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as TorchDDP
-from torch.profiler import ProfilerActivity, profile
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shared"))
 
-import minidp
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from rank_memory import alternate_every_step  # noqa: E402  (shared/: the alternate-every-step loop)
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import minidp  # noqa: E402
 
 MODELS = {
     "mlp_small": lambda: nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 10)),
@@ -57,16 +58,9 @@ def _rank(local_rank, steps, warmup, out_dir):
         width_in = next(iter(engines["torch"][0].module.parameters())).shape[1]
         width_out = list(engines["torch"][0].module.parameters())[-1].shape[0]
         x, y = torch.randn(16, width_in), torch.randn(16, width_out)
-        times = {key: [] for key in engines}
-        for step in range(warmup + steps):
-            for key, (model, opt) in engines.items():  # alternate every step
-                dist.barrier()  # ranks meet here: each timed step starts together
-                start = time.perf_counter()
-                _engine_step(model, opt, x, y)
-                if step >= warmup:
-                    times[key].append(time.perf_counter() - start)
+        median_ms = alternate_every_step(engines, _engine_step, x, y, steps, warmup)
         counts = {key: _collectives(model, opt, x, y) for key, (model, opt) in engines.items()}
-        results[name] = {"collectives": counts, "median_ms": {k: 1e3 * statistics.median(t) for k, t in times.items()}}
+        results[name] = {"collectives": counts, "median_ms": median_ms}
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump(results, f)
