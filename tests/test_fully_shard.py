@@ -37,7 +37,7 @@ from minidp.engine.timeline import named_spans
 from minidp.sharded.fsdp.state import state_of
 from training import rank_batches
 
-STEPS = 10
+STEPS = 20
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
     "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05}),
