@@ -6,6 +6,7 @@ which `.grad` are None after each step, the number of all-reduces (torch's profi
 weights (torch.equal). mixed_precision runs in torch DDP on an accelerator only: on the CPU it is
 checked against the arithmetic written out (_mixed_reference), on a GPU against torch DDP.
 """
+import inspect
 import pickle
 from unittest import mock
 
@@ -405,3 +406,10 @@ def test_wrong_delay_all_reduce_keywords_are_refused_before_any_collective():
     assert errors["not_a_pair"][0] == "TypeError"
     assert "param_to_hook_all_reduce must be a parameter of the module" in errors["foreign_hook"][1]
     assert "naming every parameter" in errors["every_parameter"][1]
+
+
+def test_the_engines_list_of_torch_ddp_keywords_is_the_installed_torchs():
+    """minidp.DDP accepts torch DDP's keywords from a list of its own (the engine imports no torch DDP)."""
+    from minidp.engine.arguments import TORCH_DDP_SIGNATURE
+    torch_keywords = [k for k in inspect.signature(TorchDDP.__init__).parameters if k != "self"]
+    assert list(TORCH_DDP_SIGNATURE) == torch_keywords

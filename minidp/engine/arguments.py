@@ -23,6 +23,14 @@ from .mixed_precision import check_mixed_precision
 from .skip_unused import check_skip
 
 # torch DDP's keywords that minidp implements in second-read files, with their defaults.
+# torch 2.14 DDP's constructor keywords, written out: the engine reads nothing of torch's DDP
+# (tests/test_ddp_keywords.py checks the list against the installed torch's signature)
+TORCH_DDP_SIGNATURE = ("module", "device_ids", "output_device", "dim", "broadcast_buffers", "init_sync",
+                       "process_group", "bucket_cap_mb", "find_unused_parameters", "check_reduction",
+                       "gradient_as_bucket_view", "static_graph", "delay_all_reduce_named_params",
+                       "param_to_hook_all_reduce", "mixed_precision", "device_mesh",
+                       "skip_all_reduce_unused_params", "bucket_cap_mb_list", "batched_grad_copy",
+                       "forward_sync_buffers")
 TORCH_KEYWORDS = {"bucket_cap_mb_list": None, "skip_all_reduce_unused_params": False,
                   "delay_all_reduce_named_params": None, "param_to_hook_all_reduce": None,
                   "mixed_precision": None}
@@ -94,9 +102,7 @@ def check_keyword(name: str, constructor) -> None:
     keyword of `constructor` (the wrapper's __init__, passed in: this module does not import ddp.py,
     which imports it).
     """
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    if name in inspect.signature(TorchDDP.__init__).parameters:
+    if name in TORCH_DDP_SIGNATURE:
         return
     accepted = [k for k, p in inspect.signature(constructor).parameters.items()
                 if k != "self" and p.kind != p.VAR_KEYWORD]

@@ -1,5 +1,5 @@
 """The optimizer step inside DDP's backward: ZeroRedundancyOptimizer(overlap_with_ddp=True) driven by
-hook_with_zero_step, as torch's (torch/distributed/algorithms/ddp_comm_hooks/ddp_zero_hook.py).
+hook_with_zero_step, with the behaviour of torch's hook of that name (which the tests compare against).
 
 Why: with plain ZeRO-1, backward ends, then each rank steps its shard, then every rank waits for the
 broadcasts of the shards it did not step. Here the step runs inside DDP's comm hook of the last

@@ -31,7 +31,7 @@ from . import arguments, flat_params, overlap, partition, state_dicts
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Wrap an optimizer class so that each rank steps and keeps state for its shard of `params`.
 
-    A drop-in for torch.distributed.optim.ZeroRedundancyOptimizer: the same arguments, partition,
+    A drop-in for torch's ZeroRedundancyOptimizer: the same arguments, partition,
     errors and state dict format. `param_groups` holds every parameter (as a plain optimizer's
     would: LR schedulers and zero_grad() use it); `optim` is this rank's optimizer over its shard.
 
