@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed import ReduceOp
 
 from minidp.runtime.watchdog import naming_laggards
@@ -62,6 +61,16 @@ class Gather:
             (full.view(torch.uint8).view(self.world, -1) if self.as_bytes else full).copy_(block)
 
 
+def copy_padded(block: torch.Tensor, flat: torch.Tensor) -> None:
+    """`flat` into the (world, n) `block` row after row, the rest zeros: the gradient zero-padded to
+    world * n, written in place (no padded copy of each gradient, every step)."""
+    full_rows, rest = divmod(flat.numel(), block.shape[1])
+    block[:full_rows].copy_(flat[:full_rows * block.shape[1]].view(full_rows, -1))
+    if full_rows < block.shape[0]:
+        block[full_rows:].zero_()
+        block[full_rows, :rest].copy_(flat[full_rows * block.shape[1]:])
+
+
 def divide_factors(reduce_dtype: torch.dtype, world: int):
     """(divide before, divide after, reduce op) to average gradients over `world` ranks, as FSDP2.
 
@@ -104,8 +113,8 @@ class ReduceScatter:
         reduce_dtype = params[0].reduce_dtype or grads[0].dtype
         # row r: the rows rank r keeps, each gradient zero-padded to world * its padded shard
         self.scatter = grads[0].new_empty(world, per_rank, dtype=reduce_dtype)
-        for block, grad, n in zip(self.scatter.split(self.sizes, dim=1), grads, self.sizes):
-            block.copy_(F.pad(grad.reshape(-1), (0, world * n - grad.numel())).view(world, n))
+        for block, grad in zip(self.scatter.split(self.sizes, dim=1), grads):
+            copy_padded(block, grad.reshape(-1))
         pre, self.post, op = divide_factors(reduce_dtype, world)
         if pre is not None and pre != 1:
             self.scatter.div_(pre)
