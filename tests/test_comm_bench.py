@@ -58,15 +58,23 @@ def test_compression_study_quick_run_writes_the_study(tmp_path):
     exact, topk = study["methods"]["exact"], study["methods"]["TopK 1%+EF"]
     assert set(exact["sweep"]) == set(topk["sweep"]) == {"0.1"} and topk["lr"] == 0.1
     assert topk["bytes_measured"] == topk["bytes_analytical"] < topk["param_bytes"] == exact["bytes_measured"]
-    assert {c["op"] for c in topk["collectives"]} == {"all_gather"} and {c["op"] for c in exact["collectives"]} == {
-        "all_reduce"}
+    assert {c["op"] for c in topk["collectives"] if not c.get("engine")} == {"all_gather"}
+    assert {c["op"] for c in exact["collectives"]} == {"all_reduce"}
+    # minidp.DDP's own status all-reduce after a comm hook (one int32 per rank), noted apart from the method's;
+    # exact (no hook) and the methods without DDP have none
+    status = {"op": "all_reduce", "bytes": 8, "per_step": 1, "scale": "ranks", "engine": True}
+    assert [c for c in topk["collectives"] if c.get("engine")] == [status]
     assert sum(c["bytes"] for c in exact["collectives"]) == exact["param_bytes"]  # every gradient, once
     assert exact["steps_to_target"] == [exact["sweep"]["0.1"][0]] and len(exact["final_val_loss"]) == 1
     param_bytes = exact["param_bytes"]
     for name in ("DeMo", "1-bit Adam", STREAMING):  # the simulator's bytes per step: what the method counted
         m = study["methods"][name]
-        assert sum(c["bytes"] * c["per_step"] for c in m["collectives"]) == m["bytes_measured"], name
+        assert sum(c["bytes"] * c["per_step"] for c in m["collectives"] if not c.get("engine")) == \
+            m["bytes_measured"], name
     demo, onebit, streaming = (study["methods"][name] for name in ("DeMo", "1-bit Adam", STREAMING))
+    assert not any(c.get("engine") for c in exact["collectives"] + demo["collectives"] + onebit["collectives"])
+    assert [c for c in streaming["collectives"] if c.get("engine")] == [status]  # its local steps' hook
+    streaming["collectives"] = [c for c in streaming["collectives"] if not c.get("engine")]
     assert [c["op"] for c in demo["collectives"]] == ["all_gather"] and demo["start_iter"] == 0
     assert 50 * demo["bytes_measured"] < param_bytes  # top 32 of each 64 x 64 DCT block, int16 indices
     assert onebit["start_iter"] == 6 and onebit["warmup_collectives"] == [
@@ -114,6 +122,43 @@ def test_a_cost_is_paired_with_the_compute_of_its_own_launch():
     assert compute_1 == 2.0 and shares["m"] == pytest.approx(0.25)  # median of 5/4, 3/2 and 2.2/2, less 1
     # 1-bit Adam compresses nothing at world size 1: Sign+EF's share is added to its own
     assert compression_report._cost("1-bit Adam", shares, compute_1) == pytest.approx((0.2 + 2.0) * 2.0)
+
+
+def test_each_method_takes_its_cost_from_the_newest_invocation_that_measured_it():
+    """Rows carry their invocation (batch) and launch (repeat): a launch is one (batch, repeat); a method's share
+    comes from the newest batch that ran it, the compute from the newest batch's no-communication steps."""
+    def row(method, step_s, batch, repeat):
+        return {"phase": "cost", "method": method, "per_rank_batch": 64, "median_step_s": step_s,
+                "batch": batch, "repeat": repeat}
+    old = [row("noop", 4.0, "a", 0), row("m", 8.0, "a", 0), row("q", 6.0, "a", 0)]  # q: measured only then
+    new = [row("noop", 2.0, "b", 0), row("m", 3.0, "b", 0), row("noop", 1.0, "b", 1), row("m", 1.2, "b", 1)]
+    compute_1, shares = compression_report.cost_shares(old + new, 64)
+    assert compute_1 == 1.0
+    assert shares["m"] == pytest.approx((0.5 + 0.2) / 2)  # launches b/0 and b/1 apart, not one launch of b
+    assert shares["q"] == pytest.approx(0.5)  # from batch a, the newest that measured it
+
+
+def test_the_validation_reads_the_newest_batch_and_fits_each_launch_probes():
+    """Each validate launch: no-communication runs around probes and methods; its link is fitted to the probes'
+    medians less the launch's compute (a ring: T = 2 (N-1) a + 2 (N-1) / N * bytes / bandwidth)."""
+    a, bandwidth, compute, world = 1e-3, 1e9, 0.004, 2
+    OLDER = "2026-12-03T21:40:00+00:00"  # an earlier invocation's batch tag (ISO times sort as strings)
+
+    def probe(nbytes):
+        return 2 * (world - 1) * a + 2 * (world - 1) / world * nbytes / bandwidth + compute
+
+    def row(method, step_s, batch="2026-12-04T07:06:09+00:00", **more):
+        return {"phase": "validate", "world_size": world, "method": method, "median_step_s": step_s,
+                "batch": batch, **more}
+    stale = [row("noop", 0.5, OLDER), row("exact", 9.0, OLDER), row("noop", 0.5, OLDER)]
+    launch = [row("noop", compute - 0.001), *(row("probe", probe(b), probe_bytes=b) for b in (4096, 1 << 20)),
+              row("exact", 0.02), *(row("probe", probe(b), probe_bytes=b) for b in (1 << 20, 4096)),
+              row("noop", compute + 0.001)]
+    found = compression_report._launches(stale + launch, world)
+    assert len(found) == 1 and list(found[0]["rows"]) == ["exact"]
+    assert found[0]["compute_s"] == pytest.approx(compute)
+    link = found[0]["link"]
+    assert link["latency_s"] == pytest.approx(a) and link["bandwidth"] == pytest.approx(bandwidth)
 
 
 def _table_rows(stdout: str) -> list[dict]:

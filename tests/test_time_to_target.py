@@ -103,6 +103,36 @@ def test_own_warmups_and_overlapped_syncs_follow_their_formulas():
     assert ttt.step_time(study, "streaming", n, shared) == pytest.approx(0.010 + 0.25 * sync, rel=1e-12)
 
 
+def test_the_engines_status_all_reduce_counts_in_the_validation_not_in_the_map():
+    """minidp.DDP's all-reduce after a comm hook (one int32 per rank: its input grows with N) is marked engine:
+    the map leaves it out (it compares methods), a step's prediction and the validation count it."""
+    study = _study()
+    status = {"op": "all_reduce", "bytes": 8, "per_step": 1, "scale": "ranks", "engine": True}
+    study["methods"]["topk"]["collectives"].append(status)
+    n, net = 8, ttt.flat_network(GBIT, 15)
+    _, _, _, topk_step = _by_hand(n)
+    ring = 2 * (n - 1) * LATENCY + 2 * (n - 1) / n * (8 * n / 2) / BW  # 4 bytes per rank at n ranks
+    assert ttt.step_time(study, "topk", n, net) == pytest.approx(topk_step + ring, rel=1e-12)
+    assert ttt.step_time(study, "topk", n, net, engine=False) == pytest.approx(topk_step, rel=1e-12)
+    exact = _by_hand(n)[0]
+    assert ttt.relative_table(study, world_sizes=(n,), bandwidths=(GBIT,))[(GBIT, n)]["topk"][0] == pytest.approx(
+        max(_by_hand(n)[1]) / exact, rel=1e-12)
+
+
+def test_a_validation_run_is_predicted_for_its_own_steps_and_link():
+    """A run that recorded its steps to the target and its launch's in-step link is predicted with those, not
+    with the seeds' median steps and the study's network."""
+    study = _study()
+    run = {"time_to_target_s": 4.0, "step_s": 0.016, "compute_s": 0.012, "steps_to_target": 150,
+           "link": {"latency_s": 2e-3, "bandwidth": 2e8}}
+    study["methods"]["topk"]["measured"] = {"2": {"runs": [run]}}
+    row = [r for r in ttt.validate(study) if r[:2] == (2, "topk")][0]
+    a, bw = 2e-3, 2e8
+    exact = 0.012 + sum(2 * a + b / bw for b in (1_200_000, 12_000))  # ring at 2 ranks: 2 (N-1) = 2 messages
+    topk = 0.012 + a + 240_000 / bw
+    assert row[2] == pytest.approx(9 * exact + (150 - 10) * topk, rel=1e-12) and row[7] == pytest.approx(topk)
+
+
 def test_cli_prints_the_table_draws_the_plot_and_validates(tmp_path, capsys):
     path = tmp_path / "study.json"
     path.write_text(json.dumps(_study()))

@@ -7,9 +7,10 @@ validation loss, time to the target and median step (measured), bytes per step, 
 one step, and cost_s: the method's median step at world size 1 over a step with no communication in
 the same launch (what compress, decompress and memory cost here; see cost_shares). compute_s: the
 no-communication step at world sizes 1, 2 and 4; network: the gloo links fitted at 2 and 4 ranks;
-measured: time to target and median step of the validation runs at world sizes 2 and 4, each with the
-compute measured in its own launch (before and after the runs), from the least loaded launch. Others'
-work shares the cores in bursts: the world-size-1 costs take the fastest of their repeats in each launch
+measured: time to target, steps to target and median step of the validation runs at world sizes 2 and
+4 (the newest validate invocation: one run per launch), each with the compute measured in its own launch
+(before and after the runs) and the link fitted to its launch's in-step all-reduce probes. Others' work
+shares the cores in bursts: the world-size-1 costs take the fastest of their repeats in each launch
 (what the code costs), the validation pairs each run with its launch's load.
 """
 from __future__ import annotations
@@ -55,24 +56,41 @@ def _after_first(row: dict):
     return None if row["time_to_target_s"] is None else row["time_to_target_s"] - row["first_step_s"]
 
 
-def _launches(rows: list, world: int) -> list:
-    """The validate phase's launches at `world` ranks, in order: each opens and closes with a no-communication run.
+def _newest_batch(rows: list, phase: str) -> list:
+    """The rows of `phase` written by the newest invocation that ran it (its "batch" tag); untagged rows
+    (written before 2026-12-04's tags) count as one batch older than any tagged one."""
+    rows = [r for r in rows if r["phase"] == phase]
+    newest = max((r.get("batch", "") for r in rows), default="")
+    return [r for r in rows if r.get("batch", "") == newest]
 
-    Returns [{"compute_s": the mean of its two no-communication medians, "rows": {method: row}}].
+
+def _launches(rows: list, world: int) -> list:
+    """The newest validate batch's launches at `world` ranks, in order: each opens and closes with a
+    no-communication run (and, from 2026-12-04 on, the in-step all-reduce probes beside them).
+
+    Returns [{"compute_s": the mean of its no-communication medians, "rows": {method: row},
+    "link": the ring link fitted to its probes (each probe's median step less compute_s), or None}].
     """
+    from minidp.study.network import fit_ring
+
     out, noops = [], 0
-    for r in rows:
-        if r["phase"] != "validate" or r["world_size"] != world:
+    for r in _newest_batch(rows, "validate"):
+        if r["world_size"] != world:
             continue
         if r["method"] == "noop":
             if noops % 2 == 0:
-                out.append({"noop": [], "rows": {}})
+                out.append({"noop": [], "rows": {}, "probes": {}})
             out[-1]["noop"].append(r["median_step_s"])
             noops += 1
+        elif r["method"] == "probe" and out:
+            out[-1]["probes"].setdefault(r["probe_bytes"], []).append(r["median_step_s"])
         elif out:
             out[-1]["rows"][r["method"]] = r
     for launch in out:
         launch["compute_s"] = sum(launch["noop"]) / len(launch["noop"])
+        sweep = {b: statistics.median(t) - launch["compute_s"] for b, t in launch.pop("probes").items()}
+        link = fit_ring(sweep, world) if len(sweep) >= 2 else None
+        launch["link"] = link and {"latency_s": link.latency_s, "bandwidth": link.bandwidth}
     return out
 
 
@@ -90,33 +108,42 @@ def bytes_to_target(row: dict, steps, start: int):
 
 
 def cost_shares(rows: list, per_rank: int) -> tuple:
-    """(compute_1, {method: cost share}) from the cost phase's launches (runs of consecutive cost rows).
+    """(compute_1, {method: cost share}) from the cost phase's launches.
 
-    compute_1: the fastest no-communication step of any launch (the least disturbed: what the compute
-    costs). A method's share, per launch: its fastest step over that launch's fastest no-communication
-    step, minus 1; the median over launches. Each method is paired with the compute of its own launch
-    because the machine's speed moved between launches and days (others' load: the no-communication
-    step measured 4.6 ms on 2026-12-03 and 1.9 ms on 2026-12-04), and the model scales a cost with the
-    compute anyway (time_to_target.step_time).
+    A launch: consecutive cost rows of one (batch, repeat) tag (untagged rows: up to a row of another
+    phase). Per method, the launches of the newest batch that measured it (a batch: one invocation).
+    compute_1: the fastest no-communication step of the newest batch's launches (the least disturbed:
+    what the compute costs). A method's share, per launch: its fastest step over that launch's fastest
+    no-communication step, minus 1; the median over launches. Each method is paired with the compute of
+    its own launch because the machine's speed moved between launches and days (others' load: the
+    no-communication step measured 4.6 ms on 2026-12-03 and 1.9 ms on 2026-12-04), and the model scales
+    a cost with the compute anyway (time_to_target.step_time).
     """
-    launches, current = [], None
+    launches, key = [], None
     for r in rows:
-        if r["phase"] == "cost" and r.get("per_rank_batch") == per_rank:
-            if current is None:
-                current = {}
-                launches.append(current)
-            current.setdefault(r["method"], []).append(r["median_step_s"])
-        else:
-            current = None
-    launches = [launch for launch in launches if "noop" in launch]
+        tag = (r.get("batch", ""), r.get("repeat"))
+        if r["phase"] != "cost" or r.get("per_rank_batch") != per_rank:
+            key = None
+            continue
+        if tag != key:
+            key = tag
+            launches.append({"batch": tag[0], "steps": {}})
+        launches[-1]["steps"].setdefault(r["method"], []).append(r["median_step_s"])
+    launches = [launch for launch in launches if "noop" in launch["steps"]]
     if not launches:
         return None, {}
+    newest = {}  # method: the newest batch that measured it
+    for launch in launches:
+        for m in launch["steps"]:
+            newest[m] = max(newest.get(m, ""), launch["batch"])
     shares = {}
     for launch in launches:
-        base = min(launch["noop"])
-        for m, steps in launch.items():
-            shares.setdefault(m, []).append(min(steps) / base - 1)
-    return min(min(launch["noop"]) for launch in launches), {m: statistics.median(v) for m, v in shares.items()}
+        base = min(launch["steps"]["noop"])
+        for m, steps in launch["steps"].items():
+            if launch["batch"] == newest[m]:
+                shares.setdefault(m, []).append(min(steps) / base - 1)
+    compute_1 = min(min(launch["steps"]["noop"]) for launch in launches if launch["batch"] == newest["noop"])
+    return compute_1, {m: statistics.median(v) for m, v in shares.items()}
 
 
 def _cost(method: str, shares: dict, compute_1) -> float:
@@ -148,23 +175,29 @@ def study(args, rows: list, lrs: dict) -> dict:
                 and k[4] == 2 and k[3] < args.seeds]
         first = runs[0]
         start = first.get("method_start", args.start_iter)  # rows before 2026-12-04 lack it: start_iter
+        # the collectives of one step: from the newest run at world size 2 (rows before 2026-12-04's
+        # validation lack the engine's own, see compression_task.engine_collectives)
+        newest = ([r for r in rows if r["method"] == m and r["world_size"] == 2 and r["phase"] != "cost"]
+                  or [first])[-1]
         methods[m] = {
             "lr": lrs[m], "seeds": [r["seed"] for r in runs], "steps_to_target": [r["steps_to_target"] for r in runs],
             "final_val_loss": [r["final_val_loss"] for r in runs],
             "bytes_measured": first["bytes_measured"], "bytes_analytical": first["bytes_analytical"],
-            "param_bytes": first["param_bytes"], "collectives": first["collectives"], "start_iter": start,
+            "param_bytes": first["param_bytes"], "collectives": newest["collectives"], "start_iter": start,
             "bytes_to_target": [bytes_to_target(first, r["steps_to_target"], start) for r in runs],
             "cost_s": _cost(m, shares, compute_1),
             "measured": {},
             "sweep": {str(r["lr"]): [r["steps_to_target"], r["final_val_loss"]] for k, r in latest.items()
                       if k[0] == "sweep" and k[1] == m},
         }
-        if "warmup_collectives" in first:
-            methods[m]["warmup_collectives"] = first["warmup_collectives"]
+        if "warmup_collectives" in newest:
+            methods[m]["warmup_collectives"] = newest["warmup_collectives"]
         for w, found in launches.items():  # the validation runs (seed 0, until the target), one per launch,
             # each with the compute measured in its launch (so with that launch's share of others' load)
             runs = [{"time_to_target_s": _after_first(launch["rows"][m]), "step_s": launch["rows"][m]["median_step_s"],
-                     "compute_s": launch["compute_s"]} for launch in found if m in launch["rows"]]
+                     "compute_s": launch["compute_s"], "steps_to_target": launch["rows"][m]["steps_to_target"],
+                     **({"link": launch["link"]} if launch["link"] else {})}
+                    for launch in found if m in launch["rows"]]
             if runs:
                 methods[m]["measured"][str(w)] = {"runs": runs}
     net_path = os.path.join(args.out, "compression_network.json")

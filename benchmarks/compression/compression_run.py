@@ -12,6 +12,7 @@ compressor's formula), and the collectives of one compressed step (1-bit Adam: a
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -23,10 +24,43 @@ import compression_task as task
 import minidp
 
 
-def _noop_hook(state, bucket):  # no annotations: DDP's hook contract; the local gradient, no communication
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
+class _NoWires:
+    """A minidp.DDP transport that sends nothing: the compute of a step alone, with DDP's bucket copies.
+
+    Not a comm hook: after a comm hook minidp.DDP exchanges a status all-reduce every step (see
+    _EngineCalls), which would put a collective into what the validation takes for compute.
+    """
+
+    def __init__(self):
+        self.world_size = dist.get_world_size()
+
+    def check_device(self, device):
+        pass
+
+    def all_reduce(self, tensor):
+        fut = torch.futures.Future()
+        fut.set_result(tensor)  # the local gradient (the reducer's division by N follows: the values don't matter)
+        return fut
+
+
+class _EngineCalls:
+    """Notes the all-reduces issued on the default group while active: minidp.DDP's own end-of-backward
+    status exchange (engine/recovery.py, after any comm hook), which a method's transport does not see
+    (the study's transports run on groups of their own)."""
+
+    def __init__(self):
+        self.calls, self._original = [], dist.all_reduce
+
+    def __enter__(self):
+        def noting(tensor, *args, group=None, **kwargs):
+            if group is None or group == dist.group.WORLD:
+                self.calls.append(("all_reduce", tensor.numel() * tensor.element_size()))
+            return self._original(tensor, *args, group=group, **kwargs)
+        dist.all_reduce = noting
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self._original
 
 
 @torch.no_grad()
@@ -49,7 +83,10 @@ def _mean_val_loss(module, text, averaged: bool) -> float:
 
 
 def run_one(method: str, lr: float, seed: int, text: task.Text, cfg: dict) -> dict:
-    """Train `method` at `lr` from `seed`; the same result on every rank. method "noop": compute only."""
+    """Train `method` at `lr` from `seed`; the same result on every rank. method "noop": compute only;
+    "probe": compute, then one all-reduce of cfg["probe_bytes"] bytes in each step (the link as a training
+    step meets it: ranks arrive as their compute ends, and with more ranks than cores a waiting rank
+    yields its core)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     module = task.CharMLP(text.vocab, text.context)
@@ -61,8 +98,9 @@ def run_one(method: str, lr: float, seed: int, text: task.Text, cfg: dict) -> di
     else:
         model = minidp.DDP(module, transport=recorder) if recorder else minidp.DDP(module)
     opt = task.optimizer(method, module.parameters(), lr, cfg["freeze_step"])
-    if method == "noop":
-        model.register_comm_hook(None, _noop_hook)
+    probe = torch.zeros(cfg["probe_bytes"] // 4) if method == "probe" else None
+    if method in ("noop", "probe"):
+        model = minidp.DDP(module, transport=_NoWires())
         stepper, counter = None, None
     else:
         stepper, counter = task.attach(model, method, cfg["start_iter"], opt)
@@ -73,7 +111,7 @@ def run_one(method: str, lr: float, seed: int, text: task.Text, cfg: dict) -> di
     times, curve, reached, snapshot = [], [], None, None
     # the collectives of a step of the method (probe) and, where they differ, of one before it (1-bit Adam)
     probes = {start + 2: "calls", **({2: "warmup_calls"} if spec == "onebit" else {})}
-    noted = {"calls": [], "warmup_calls": []}
+    noted = {"calls": [], "warmup_calls": [], "engine_calls": []}
     for step in range(cfg["steps"]):
         if step == start:
             snapshot = _counters(counter)
@@ -82,16 +120,22 @@ def run_one(method: str, lr: float, seed: int, text: task.Text, cfg: dict) -> di
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / cfg["start_iter"])
         x, y = text.batch(step, seed, cfg["global_batch"], rank, world)
+        engine = _EngineCalls() if step == start + 2 else contextlib.nullcontext()
         began = time.perf_counter()
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if stepper is not None:
-            stepper.step()
+        with engine:
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if probe is not None:
+                dist.all_reduce(probe)  # ranks meet here: the probe's all-reduce, after this step's compute
+            opt.step()
+            if stepper is not None:
+                stepper.step()
         times.append(time.perf_counter() - began)
         if transport is not None and step in probes:
             noted[probes[step]] = list(transport.calls)
+        if step == start + 2:
+            noted["engine_calls"] = list(engine.calls)
         if (step + 1) % cfg["eval_every"] == 0 or step + 1 == cfg["steps"]:
             if not torch.isfinite(loss):
                 curve.append((step + 1, float("nan")))
@@ -118,8 +162,9 @@ def run_one(method: str, lr: float, seed: int, text: task.Text, cfg: dict) -> di
             "bytes_measured": param_bytes if counter is None else (measured - base[0]) / compressed,
             "bytes_analytical": param_bytes if counter is None else (analytical - base[1]) / compressed,
             "method_start": start,
-            "collectives": [] if method == "noop" else task.collectives(method, noted["calls"], param_bytes, world,
-                                                                        stepper),
+            **({"probe_bytes": cfg["probe_bytes"]} if probe is not None else {}),
+            "collectives": [] if method in ("noop", "probe") else task.collectives(
+                method, noted["calls"], param_bytes, world, stepper) + task.engine_collectives(noted["engine_calls"]),
             **({"warmup_collectives": task.collectives(method, noted["warmup_calls"], param_bytes, world)}
                if spec == "onebit" else {})}
 

@@ -209,6 +209,14 @@ def collectives(name: str, calls: list, param_bytes: int, world_size: int, stepp
     return out
 
 
+def engine_collectives(calls: list) -> list:
+    """minidp.DDP's own collectives of one step (its status all-reduce after a comm hook: one int32 per
+    rank), as the simulator reads them: scale "ranks" (the input grows with N), engine True (what minidp
+    adds to the method, not the method's own communication: `python -m minidp.simulate --study` leaves
+    them out of its map unless asked, its validation counts them)."""
+    return [{"op": op, "bytes": nbytes, "per_step": 1, "scale": "ranks", "engine": True} for op, nbytes in calls]
+
+
 def gradient_energy(text: Text, lr: float = 0.1, steps=(10, 100, 200, 300), seed: int = 0) -> dict:
     """How much of a gradient TopK 1% and a rank-1/rank-4 approximation keep, along exact SGD's run (one process).
 

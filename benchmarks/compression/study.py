@@ -22,10 +22,16 @@ Phases, each a launch of its own:
             validation loss)
   seeds     the other --seeds at each method's lr (world 2)
   cost      world size 1: each method's median step against a step with no communication (the "noop"
-            hook): what compress, decompress and memory cost on this machine (one bucket here)
+            hook): what compress, decompress and memory cost on this machine (one bucket here);
+            --repeats launches, each running every method twice, interleaved
   validate  world sizes 2 and 4 (the same global batch: 64 and 32 per rank), seed 0, each method until
             it reaches the target (its measured time to target), and before and after them the step with
-            no communication (the compute the simulator's --shared-cores validation takes)
+            no communication (the compute the simulator's --shared-cores validation takes) and the
+            probes: that step with one all-reduce of PROBE_BYTES each (the link as a step meets it);
+            --repeats launches per world size, alternating 2 and 4, the methods' order reversed every
+            other launch
+Each invocation tags its rows with a batch (its start time); the report reads the validation and the
+costs from the newest batch that measured them.
   network   gloo all-reduce sweeps at world sizes 2 and 4, fitted to alpha-beta links (network.fit_ring)
   probe     one process: the share of exact SGD's gradients that TopK 1% and rank 1 / rank 4 keep
   report    OUT/compression_study.json, the tables (RESULTS.md between markers), the sanity checks
@@ -33,6 +39,7 @@ Phases, each a launch of its own:
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -49,9 +56,10 @@ import minidp  # noqa: E402
 
 PHASES = ("sweep", "seeds", "cost", "validate", "network", "probe", "report")
 FULL = dict(steps=400, eval_every=10, global_batch=128, val_windows=4096, target=1.2, start_iter=task.START_ITER,
-            lrs="0.05,0.1,0.2", adam_lrs="0.001,0.003,0.01", freeze_step=40, seeds=3, cost_steps=60)
+            lrs="0.05,0.1,0.2", adam_lrs="0.001,0.003,0.01", freeze_step=40, seeds=3, cost_steps=60, repeats=5)
 QUICK = dict(steps=24, eval_every=4, global_batch=16, val_windows=256, target=4.3, start_iter=4, lrs="0.1,0.4",
-             adam_lrs="0.003", freeze_step=6, seeds=2, cost_steps=10)
+             adam_lrs="0.003", freeze_step=6, seeds=2, cost_steps=10, repeats=1)
+PROBE_BYTES = (4096, 65536, 1048576, 4194304)  # the validation's in-step all-reduce probes: 4 KiB ... 4 MiB
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,6 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in FULL.items():
         p.add_argument("--" + name.replace("_", "-"), type=type(value), default=None, help=f"default {value}")
     args = p.parse_args(argv)
+    args.batch = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")  # tags its rows
     for name in FULL:
         if getattr(args, name) is None:
             setattr(args, name, (QUICK if args.quick else FULL)[name])
@@ -82,7 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         except ValueError:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)!r}: give comma-separated numbers, e.g. "
                     f"{FULL[name]}")
-    for name in ("steps", "eval_every", "global_batch", "seeds", "cost_steps", "freeze_step"):
+    for name in ("steps", "eval_every", "global_batch", "seeds", "cost_steps", "freeze_step", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if args.global_batch % 4:
@@ -133,7 +142,7 @@ def run_line(phase: str, done: int, total: int, row: dict, wall_s: float) -> str
             f"final val loss {row['final_val_loss']:.3f}, {wall_s:.0f} s")
 
 
-def _worker(local_rank: int, jobs: list, cfg: dict, phase: str, path: str) -> None:
+def _worker(local_rank: int, jobs: list, cfg: dict, phase: str, path: str, tags: dict) -> None:
     import torch
 
     import compression_run
@@ -145,7 +154,7 @@ def _worker(local_rank: int, jobs: list, cfg: dict, phase: str, path: str) -> No
     def log(row):  # rank 0, after each run: the row to RUNS, a line to the terminal
         nonlocal done, last
         with open(path, "a") as f:
-            f.write(json.dumps({"phase": phase, **row}) + "\n")
+            f.write(json.dumps({"phase": phase, **tags, **row}) + "\n")
         done, now = done + 1, time.perf_counter()
         print(run_line(phase, done, len(jobs), row, now - last), flush=True)
         last = now
@@ -153,9 +162,10 @@ def _worker(local_rank: int, jobs: list, cfg: dict, phase: str, path: str) -> No
     minidp.shutdown()
 
 
-def launch(phase: str, jobs: list, world: int, cfg: dict, args) -> None:
+def launch(phase: str, jobs: list, world: int, cfg: dict, args, repeat: int = 0) -> None:
     print(f"{phase}: {len(jobs)} run(s) at world size {world}, rows to {runs_path(args)}", flush=True)
-    minidp.launch(_worker, nprocs=world, args=(jobs, cfg, phase, runs_path(args)))
+    tags = {"batch": args.batch, "repeat": repeat}
+    minidp.launch(_worker, nprocs=world, args=(jobs, cfg, phase, runs_path(args), tags))
 
 
 def run_phase(phase: str, args) -> None:
@@ -186,14 +196,19 @@ def run_phase(phase: str, args) -> None:
         cost_cfg = {**cfg, "steps": args.start_iter + args.cost_steps, "eval_every": 10 ** 9, "target": -1.0,
                     "global_batch": args.global_batch // 2}
         jobs = [(m, lrs.get(m, 0.1), 0) for m in ["noop", *args.methods]]
-        launch(phase, jobs + jobs, 1, cost_cfg, args)  # twice, interleaved: the machine's load falls on all alike
+        for repeat in range(args.repeats):  # twice in each, interleaved: the machine's load falls on all alike
+            launch(phase, jobs + jobs, 1, cost_cfg, args, repeat)
     elif phase == "validate":
-        # The compute (no communication) before and after the runs, in the same launch: the load others put on
-        # the machine then falls on both alike.
-        noop = ("noop", 0.1, 0, {"steps": args.start_iter + args.cost_steps, "eval_every": 10 ** 9, "target": -1.0})
-        for world in (2, 4):
-            launch(phase, [noop, *[(m, lrs[m], 0) for m in args.methods], noop], world,
-                   {**cfg, "stop_at_target": True}, args)
+        # The compute (no communication) and the probes before and after the runs, in the same launch: the
+        # load others put on the machine then falls on them and the runs alike.
+        short = {"steps": args.start_iter + args.cost_steps, "eval_every": 10 ** 9, "target": -1.0}
+        noop = ("noop", 0.1, 0, short)
+        probes = [("probe", 0.1, 0, {**short, "probe_bytes": b}) for b in PROBE_BYTES]
+        for repeat in range(args.repeats):
+            methods = [(m, lrs[m], 0) for m in args.methods][::-1 if repeat % 2 else 1]
+            for world in (2, 4):
+                launch(phase, [noop, *probes, *methods, *probes[::-1], noop], world, {**cfg, "stop_at_target": True},
+                       args, repeat)
 
 
 def main(argv=None) -> None:

@@ -69,46 +69,55 @@ def collective_time(op: str, nbytes: float, world_size: int, net: Network) -> fl
 
 
 def comm_time(method: dict, world_size: int, net: Network, study_world: int, busy_s: float = 0.0,
-              collectives: list | None = None) -> float:
-    """One step's communication: each collective at its frequency, chunked inputs rescaled to world_size.
+              collectives: list | None = None, engine: bool = True) -> float:
+    """One step's communication: each collective at its frequency, inputs rescaled to world_size
+    ("chunk": 1/N of the data; "ranks": one entry per rank; "fixed": the same).
 
     A collective with overlap_steps k runs beside k steps of `busy_s` compute (not with net.shared_cores);
-    only what is left of it counts. collectives: default the method's.
+    only what is left of it counts. collectives: default the method's. engine False: leaves out the
+    collectives marked engine (minidp.DDP's status all-reduce after a comm hook, not the method's).
     """
     total = 0.0
     for c in method["collectives"] if collectives is None else collectives:
-        nbytes = c["bytes"] * study_world / world_size if c["scale"] == "chunk" else c["bytes"]
+        if c.get("engine") and not engine:
+            continue
+        nbytes = c["bytes"] * {"chunk": study_world / world_size, "ranks": world_size / study_world}.get(c["scale"], 1)
         hidden = 0.0 if net.shared_cores else c.get("overlap_steps", 0) * busy_s
         total += c["per_step"] * max(0.0, collective_time(c["op"], nbytes, world_size, net) - hidden)
     return total
 
 
 def step_time(study: dict, name: str, world_size: int, net: Network, compute_s: float | None = None,
-              compute_scale: float = 1.0, warmup: bool = False) -> float:
+              compute_scale: float = 1.0, warmup: bool = False, engine: bool = True) -> float:
     """Predicted seconds of one step of method `name` (after its warm-up) at `world_size` ranks.
 
     Args:
         compute_s: the compute of a step. Default None: the study's at world size 1 (study["compute_s"]["1"]).
         compute_scale: multiplies compute and the method's cost (e.g. 0.02 for a processor 50x faster). Default 1.
         warmup: a step of the method's own warm-up (its warmup_collectives) instead. Default False.
+        engine: count minidp.DDP's own collectives (comm_time). Default True.
     """
     compute = study["compute_s"]["1"] if compute_s is None else compute_s
     scale = compute_scale * compute / study["compute_s"]["1"]  # the method's cost slows down as the compute does
     method = study["methods"][name]
     busy = compute * compute_scale + max(0.0, method["cost_s"]) * scale
     return busy + comm_time(method, world_size, net, study["world_size"], busy,
-                            method["warmup_collectives"] if warmup else None)
+                            method["warmup_collectives"] if warmup else None, engine)
 
 
-def time_to_target(study: dict, name: str, world_size: int, net: Network, **step_kwargs) -> list:
-    """Predicted seconds to the target, one per seed (None where that seed never reached it)."""
+def time_to_target(study: dict, name: str, world_size: int, net: Network, steps: list | None = None,
+                   **step_kwargs) -> list:
+    """Predicted seconds to the target, one per seed (None where that seed never reached it).
+
+    steps: the steps to the target to predict for. Default None: the method's, one per seed.
+    """
     method = study["methods"][name]
     warm = method.get("start_iter", study["start_iter"])
     own = "warmup_collectives" in method
     warm_step = step_time(study, name if own else "exact", world_size, net, warmup=own, **step_kwargs)
     step = step_time(study, name, world_size, net, **step_kwargs)
     out = []
-    for s in method["steps_to_target"]:
+    for s in method["steps_to_target"] if steps is None else steps:
         if s is None:
             out.append(None)
             continue
@@ -124,17 +133,24 @@ def summarize(times: list) -> tuple:
 
 
 def relative_table(study: dict, world_sizes=STUDY_WORLD_SIZES, bandwidths=BANDWIDTHS_GBIT,
-                   latency_us: float = 15.0, compute_scale: float = 1.0, algorithm: str = "ring") -> dict:
-    """{(gbit, N): {method: (median, min, max) time to target over exact's median}}."""
+                   latency_us: float = 15.0, compute_scale: float = 1.0, algorithm: str = "ring",
+                   engine: bool = False) -> dict:
+    """{(gbit, N): {method: (median, min, max) time to target over exact's median}}.
+
+    engine: count minidp.DDP's status all-reduce after a comm hook. Default False: the map compares the
+    methods, as an engine without minidp's failure check (torch DDP) would run them.
+    """
     out = {}
     for gbit in bandwidths:
         net = flat_network(gbit, latency_us, algorithm)
         for n in world_sizes:
-            exact = summarize(time_to_target(study, "exact", n, net, compute_scale=compute_scale))[0]
+            exact = summarize(time_to_target(study, "exact", n, net, compute_scale=compute_scale,
+                                                engine=engine))[0]
             if math.isinf(exact):
                 raise ValueError("exact never reached the target in the study (in most seeds): nothing to compare with")
             out[(gbit, n)] = {m: tuple(t / exact for t in summarize(time_to_target(study, m, n, net,
-                                                                                    compute_scale=compute_scale)))
+                                                                                    compute_scale=compute_scale,
+                                                                                    engine=engine)))
                               for m in study["methods"]}
     return out
 
@@ -172,23 +188,29 @@ def validate(study: dict) -> list:
     """Predicted against measured time to target where the study measured it (world sizes 2 and 4 here).
 
     measured[W]["runs"] lists runs of the method at W ranks (seed 0, one per launch), each with
-    time_to_target_s, its median step_s and compute_s: the step with no communication measured in the
-    same launch (all W ranks computing at once on the shared cores), which carries that launch's load.
-    Each run is predicted from its compute, the method's cost scaled by the same slowdown, the gloo link
-    fitted at W (study["network"][W]) and nothing overlapping (shared cores). Returns rows of
-    (W, method, predicted_s, measured_s, error, lowest error, highest error, predicted_step_s,
+    time_to_target_s, its median step_s, compute_s: the step with no communication measured in the
+    same launch (all W ranks computing at once on the shared cores), which carries that launch's load,
+    and where recorded its own steps_to_target and link: the ring link fitted to all-reduces issued
+    inside that launch's training steps. Each run is predicted for its own steps (else the median over
+    the study's seeds) from its compute, the method's cost scaled by the same slowdown, its link (else
+    the gloo link fitted at W, study["network"][W]) and nothing overlapping (shared cores). Returns rows
+    of (W, method, predicted_s, measured_s, error, lowest error, highest error, predicted_step_s,
     measured_step_s, step_error, runs): medians over the runs, errors as predicted / measured - 1.
     """
+    def net_of(run, w):
+        link = Link(**run.get("link", study["network"][w]))
+        return Network(link, link, ranks_per_node=int(w), shared_cores=True)
+
     rows = []
-    for w, links in sorted(study["network"].items(), key=lambda kv: int(kv[0])):
-        link = Link(**links)
-        net = Network(link, link, ranks_per_node=int(w), shared_cores=True)
+    for w in sorted(study["network"], key=int):
         for name, method in study["methods"].items():
             runs = [r for r in method.get("measured", {}).get(w, {}).get("runs", []) if r["time_to_target_s"]]
             if not runs:
                 continue
-            pred = [summarize(time_to_target(study, name, int(w), net, compute_s=r["compute_s"]))[0] for r in runs]
-            step = [step_time(study, name, int(w), net, compute_s=r["compute_s"]) for r in runs]
+            pred = [summarize(time_to_target(study, name, int(w), net_of(r, w), compute_s=r["compute_s"],
+                                             steps=[r["steps_to_target"]] if r.get("steps_to_target") else None))[0]
+                    for r in runs]
+            step = [step_time(study, name, int(w), net_of(r, w), compute_s=r["compute_s"]) for r in runs]
             errors = [p / r["time_to_target_s"] - 1 for p, r in zip(pred, runs)]
             med = statistics.median
             rows.append((int(w), name, med(pred), med(r["time_to_target_s"] for r in runs), med(errors), min(errors),
