@@ -16,6 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # benchmarks/ is not a package: the scripts' folders go on the path, as each script puts its own there.
 sys.path[:0] = [os.path.join(ROOT, "benchmarks", folder) for folder in ("compression", "gpu", "shared")]
 
+import shared_cores  # noqa: E402
+
 import compression_report  # noqa: E402
 import gpu_check  # noqa: E402
 import study as compression  # noqa: E402 - benchmarks/compression/study.py
@@ -159,6 +161,33 @@ def test_the_validation_reads_the_newest_batch_and_fits_each_launch_probes():
     assert found[0]["compute_s"] == pytest.approx(compute)
     link = found[0]["link"]
     assert link["latency_s"] == pytest.approx(a) and link["bandwidth"] == pytest.approx(bandwidth)
+
+
+def test_payload_cost_is_one_more_ranks_decompress_and_add_for_the_methods_that_all_gather():
+    """QSGD's aggregate decompresses each rank's dense payload: more than zero per rank; methods that all-reduce
+    (exact, FP16), decode 1/N chunks (Sign) or bring their own exchange (PowerSGD, DeMo, local SGD) add none."""
+    import compression_task as task
+
+    numels = (30_000, 300)
+    for name in ("exact", "FP16", "Sign+EF", "PowerSGD 4+EF", "DeMo", "local SGD /4", "RandomK 1%"):
+        assert task.payload_cost(name, numels, repeats=3) == 0.0, name
+    assert task.payload_cost("QSGD 16", numels, repeats=5) > 0
+
+
+def test_shared_cores_prints_each_part_median_spread_and_slowdown(capsys):
+    """The table of benchmarks/compression/shared_cores.py: per part and world size the median over launches,
+    their min-max, and the median over the part's median alone (W = 1); parts W = 1 has not: '-'."""
+    result = {"1": {"cpu work": [0.001, 0.003, 0.002]},
+              "2": {"cpu work": [0.004, 0.006, 0.005], "all-reduce fp32": [0.010, 0.030, 0.020]},
+              "4": {"cpu work": [0.008, 0.007, 0.009], "all-reduce fp32": [0.040, 0.050, 0.060]}}
+    lines = shared_cores.table(result).splitlines()
+    assert lines[1].split() == ["cpu", "work", "2.00", "(1.00-3.00)", "1.00", "5.00", "(4.00-6.00)", "2.50",
+                                "8.00", "(7.00-9.00)", "4.00"]
+    assert lines[2].split() == ["all-reduce", "fp32", "-", "20.00", "(10.00-30.00)", "-", "50.00", "(40.00-60.00)",
+                                "-"]
+    with pytest.raises(SystemExit):
+        shared_cores.main(["--launches", "0"])
+    assert "--launches 0 must be >= 1" in capsys.readouterr().err
 
 
 def _table_rows(stdout: str) -> list[dict]:

@@ -133,6 +133,24 @@ def test_a_validation_run_is_predicted_for_its_own_steps_and_link():
     assert row[2] == pytest.approx(9 * exact + (150 - 10) * topk, rel=1e-12) and row[7] == pytest.approx(topk)
 
 
+def test_each_more_ranks_payload_adds_to_the_cost_and_costs_slow_down_with_the_same_batchs_compute():
+    """payload_cost_s: what aggregating one more rank's payload costs (a method that all-gathers decompresses N);
+    the cost scales with compute_s over the compute of the same per-rank batch alone (compute_1_s)."""
+    study = _study()
+    study["methods"]["topk"].update(cost_s=0.002, payload_cost_s=0.0001)
+    n, net = 8, ttt.flat_network(GBIT, 15)
+    _, _, _, topk_step = _by_hand(n)
+    assert ttt.step_time(study, "topk", n, net) == pytest.approx(topk_step + 0.002 + 7 * 0.0001, rel=1e-12)
+    # compute 0.012 at this batch where the same batch alone takes 0.006: the cost doubles, not x1.2
+    slowed = ttt.step_time(study, "topk", n, net, compute_s=0.012, compute_1_s=0.006)
+    assert slowed == pytest.approx(topk_step - 0.010 + 0.012 + 2 * (0.002 + 7 * 0.0001), rel=1e-12)
+    # sync_s: once in a step that communicates (per_step 1 here), once in 4 for local SGD's every-4-steps
+    assert ttt.step_time(study, "topk", n, net, sync_s=0.003) == pytest.approx(
+        ttt.step_time(study, "topk", n, net) + 0.003, rel=1e-12)
+    assert ttt.step_time(study, "local", n, net, sync_s=0.004) == pytest.approx(
+        ttt.step_time(study, "local", n, net) + 0.001, rel=1e-12)
+
+
 def test_cli_prints_the_table_draws_the_plot_and_validates(tmp_path, capsys):
     path = tmp_path / "study.json"
     path.write_text(json.dumps(_study()))

@@ -30,17 +30,24 @@ from minidp.study import time_to_target as ttt
 NETWORK_SIZES = tuple(4 ** k * 1024 for k in range(7))  # 1 KiB ... 4 MiB: the study's buffers are up to 1.2 MB
 
 
-def measure_links(path: str, quick: bool = False) -> dict:
-    """Gloo all-reduce sweeps at world sizes 2 and 4 on this machine, each fitted to a ring link; written to `path`."""
+def measure_links(path: str, quick: bool = False, repeats: int = 1) -> dict:
+    """Gloo all-reduce sweeps at world sizes 2 and 4 on this machine, `repeats` launches each (alternating
+    2 and 4), the median per size over launches fitted to a ring link; written to `path` with every sweep."""
     from minidp.study.network import fit_ring, measure_allreduce
 
-    out = {"sweeps": {}}
-    for world in (2, 4):
-        sweep = measure_allreduce(world, NETWORK_SIZES[::3] if quick else NETWORK_SIZES, repeats=3 if quick else 15)
+    out, sweeps = {"sweeps": {}}, {2: [], 4: []}
+    for _ in range(repeats):
+        for world in (2, 4):
+            sizes = NETWORK_SIZES[::3] if quick else NETWORK_SIZES
+            sweeps[world].append(measure_allreduce(world, sizes, repeats=3 if quick else 15))
+    for world, found in sweeps.items():
+        sweep = {size: statistics.median(s[size] for s in found) for size in found[0]}
         link = fit_ring(sweep, world)
         out[str(world)] = {"latency_s": link.latency_s, "bandwidth": link.bandwidth}
-        out["sweeps"][str(world)] = {str(k): v for k, v in sweep.items()}
-        print(f"gloo all-reduce at {world} ranks: {link.latency_s * 1e6:.0f} us, {link.bandwidth / 1e9:.2f} GB/s")
+        out["sweeps"][str(world)] = [{str(k): v for k, v in s.items()} for s in found]
+        spread = [fit_ring(s, world).latency_s * 1e6 for s in found]
+        print(f"gloo all-reduce at {world} ranks: {link.latency_s * 1e6:.0f} us, {link.bandwidth / 1e9:.2f} GB/s "
+              f"(median of {len(found)} sweeps; latency per sweep {min(spread):.0f}-{max(spread):.0f} us)")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     return out
@@ -64,14 +71,16 @@ def _newest_batch(rows: list, phase: str) -> list:
     return [r for r in rows if r.get("batch", "") == newest]
 
 
-def _launches(rows: list, world: int) -> list:
+def _launches(rows: list, world: int, sweep_link: dict | None = None) -> list:
     """The newest validate batch's launches at `world` ranks, in order: each opens and closes with a
     no-communication run (and, from 2026-12-04 on, the in-step all-reduce probes beside them).
 
     Returns [{"compute_s": the mean of its no-communication medians, "rows": {method: row},
-    "link": the ring link fitted to its probes (each probe's median step less compute_s), or None}].
+    "link": the ring link fitted to its probes (each probe's median step less compute_s), or None,
+    "sync_s": with `sweep_link` (the network phase's link at `world`), what a probe's step costs beyond
+    its compute and its all-reduce on that link (the median over sizes, at least 0), or None}].
     """
-    from minidp.study.network import fit_ring
+    from minidp.study.network import Link, Network, allreduce_time, fit_ring
 
     out, noops = [], 0
     for r in _newest_batch(rows, "validate"):
@@ -91,6 +100,10 @@ def _launches(rows: list, world: int) -> list:
         sweep = {b: statistics.median(t) - launch["compute_s"] for b, t in launch.pop("probes").items()}
         link = fit_ring(sweep, world) if len(sweep) >= 2 else None
         launch["link"] = link and {"latency_s": link.latency_s, "bandwidth": link.bandwidth}
+        launch["sync_s"] = None
+        if sweep and sweep_link:
+            net = Network(Link(**sweep_link), Link(**sweep_link), ranks_per_node=world)
+            launch["sync_s"] = max(0.0, statistics.median(t - allreduce_time(b, world, net) for b, t in sweep.items()))
     return out
 
 
@@ -112,6 +125,8 @@ def cost_shares(rows: list, per_rank: int) -> tuple:
 
     A launch: consecutive cost rows of one (batch, repeat) tag (untagged rows: up to a row of another
     phase). Per method, the launches of the newest batch that measured it (a batch: one invocation).
+    A run's step: its mean after the warm-up where recorded (from 2026-12-04: a method that works every
+    k steps costs that work once in k, which a median leaves out), else its median.
     compute_1: the fastest no-communication step of the newest batch's launches (the least disturbed:
     what the compute costs). A method's share, per launch: its fastest step over that launch's fastest
     no-communication step, minus 1; the median over launches. Each method is paired with the compute of
@@ -128,7 +143,7 @@ def cost_shares(rows: list, per_rank: int) -> tuple:
         if tag != key:
             key = tag
             launches.append({"batch": tag[0], "steps": {}})
-        launches[-1]["steps"].setdefault(r["method"], []).append(r["median_step_s"])
+        launches[-1]["steps"].setdefault(r["method"], []).append(r.get("mean_step_s", r["median_step_s"]))
     launches = [launch for launch in launches if "noop" in launch["steps"]]
     if not launches:
         return None, {}
@@ -163,7 +178,18 @@ def study(args, rows: list, lrs: dict) -> dict:
     latest, per_rank = _latest(rows), args.global_batch // 2
     compute_1, shares = cost_shares(rows, per_rank)
     compute = {"1": compute_1}
-    launches = {w: _launches(rows, w) for w in (2, 4)}
+    for batch in (per_rank // 2,):  # world size 4's per-rank batch, at world size 1: what the validation
+        # scales a cost at 4 ranks by (the cost phase with --global-batch halved measures it)
+        if cost_shares(rows, batch)[0]:
+            compute[f"1@{batch}"] = cost_shares(rows, batch)[0]
+    payload_path = os.path.join(args.out, "compression_payload.json")  # the payload phase's
+    payloads = json.load(open(payload_path)) if os.path.exists(payload_path) else {}
+    net_path = os.path.join(args.out, "compression_network.json")
+    network = {}
+    if os.path.exists(net_path):
+        with open(net_path) as f:
+            network = {k: v for k, v in json.load(f).items() if k != "sweeps"}
+    launches = {w: _launches(rows, w, network.get(str(w))) for w in (2, 4)}
     for w, found in launches.items():
         if found:
             compute[str(w)] = min(launch["compute_s"] for launch in found)
@@ -186,6 +212,7 @@ def study(args, rows: list, lrs: dict) -> dict:
             "param_bytes": first["param_bytes"], "collectives": newest["collectives"], "start_iter": start,
             "bytes_to_target": [bytes_to_target(first, r["steps_to_target"], start) for r in runs],
             "cost_s": _cost(m, shares, compute_1),
+            "payload_cost_s": payloads.get(m, 0.0),
             "measured": {},
             "sweep": {str(r["lr"]): [r["steps_to_target"], r["final_val_loss"]] for k, r in latest.items()
                       if k[0] == "sweep" and k[1] == m},
@@ -196,15 +223,11 @@ def study(args, rows: list, lrs: dict) -> dict:
             # each with the compute measured in its launch (so with that launch's share of others' load)
             runs = [{"time_to_target_s": _after_first(launch["rows"][m]), "step_s": launch["rows"][m]["median_step_s"],
                      "compute_s": launch["compute_s"], "steps_to_target": launch["rows"][m]["steps_to_target"],
-                     **({"link": launch["link"]} if launch["link"] else {})}
+                     **({"link": launch["link"]} if launch["link"] else {}),
+                     **({"sync_s": launch["sync_s"]} if launch["sync_s"] is not None else {})}
                     for launch in found if m in launch["rows"]]
             if runs:
                 methods[m]["measured"][str(w)] = {"runs": runs}
-    net_path = os.path.join(args.out, "compression_network.json")
-    network = {}
-    if os.path.exists(net_path):
-        with open(net_path) as f:
-            network = {k: v for k, v in json.load(f).items() if k != "sweeps"}
     return {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version(),
             "machine": f"{os.cpu_count()} cores, {platform.machine()}, CPU only, gloo",
             "task": f"CharMLP ({task.__name__}.py) on {task.Text.__doc__.split(':')[0].lower()}",
@@ -223,10 +246,12 @@ def _spread(values, fmt="{:.0f}") -> str:
 
 
 def _collectives(m: dict) -> str:
+    """The method's collectives per step, then minidp.DDP's own (its status all-reduce after a comm hook)."""
     counts = {}
     for c in m["collectives"]:
-        counts[c["op"]] = counts.get(c["op"], 0) + c["per_step"]
-    return ", ".join(f"{n:g} {op.replace('_', '-')}" for op, n in counts.items())
+        key = ("engine " if c.get("engine") else "") + c["op"].replace("_", "-")
+        counts[key] = counts.get(key, 0) + c["per_step"]
+    return ", ".join(f"{n:g} {op}" for op, n in counts.items())
 
 
 def tables(s: dict) -> str:

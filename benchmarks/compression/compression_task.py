@@ -217,6 +217,42 @@ def engine_collectives(calls: list) -> list:
     return [{"op": op, "bytes": nbytes, "per_step": 1, "scale": "ranks", "engine": True} for op, nbytes in calls]
 
 
+def payload_cost(name: str, bucket_numels, repeats: int = 30) -> float:
+    """Seconds one more rank's payload adds to a step: what the aggregate of a method that all-gathers
+    (a single-round compressor that is not summable: TopK, QSGD) spends on each rank's payload, decompress
+    and add, over the step's buckets of `bucket_numels` elements. 0 for the other methods (an all-reduce
+    sums in the collective; Sign's server stage decodes 1/N of the signs from each of N ranks; DeMo
+    concatenates the coefficients and decodes once).
+
+    Measured as (aggregate of 5 payloads - aggregate of 1) / 4, the medians of `repeats` runs: the cost
+    phase at world size 1 aggregates one payload, so N ranks add N - 1 of these.
+    """
+    import statistics
+    import time
+
+    spec = METHODS.get(name)
+    if not isinstance(spec, tuple):
+        return 0.0
+    compressor = spec[0]()
+    if not isinstance(compressor, comm.Compressor) or compressor.summable:
+        return 0.0
+    total = 0.0
+    for numel in bucket_numels:
+        tensor = torch.randn(numel)
+        ctx = comm.Context.for_tensor(tensor)
+        payload = compressor.compress(tensor.clone(), ctx)
+        times = {}
+        for count in (1, 5):
+            runs = []
+            for _ in range(repeats):
+                began = time.perf_counter()
+                compressor.aggregate([payload] * count, ctx)
+                runs.append(time.perf_counter() - began)
+            times[count] = statistics.median(runs)
+        total += max(0.0, (times[5] - times[1]) / 4)
+    return total
+
+
 def gradient_energy(text: Text, lr: float = 0.1, steps=(10, 100, 200, 300), seed: int = 0) -> dict:
     """How much of a gradient TopK 1% and a rank-1/rank-4 approximation keep, along exact SGD's run (one process).
 

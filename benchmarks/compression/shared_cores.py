@@ -1,12 +1,12 @@
 """What sharing this machine's 2 cores among W ranks does to the parts of a step: the causes behind the
 compression study's validation misses (RESULTS.md, "Time to target at scale", Validation).
 
-    python benchmarks/compression/shared_cores.py                 # ~1 minute on 2 idle cores
+    python benchmarks/compression/shared_cores.py                 # ~2 minutes on 2 idle cores
     python benchmarks/compression/shared_cores.py --out results/shared_cores.json
 
-One launch per world size W = 1, 2, 4; every rank one thread. Each part is timed REPEATS times with the
-ranks in lockstep (an untimed barrier before each repetition), the median per rank, then the median
-over ranks:
+LAUNCHES rounds of one launch per world size W = 1, 2, 4; every rank one thread. Each part is timed
+REPEATS times with the ranks in lockstep (an untimed barrier before each repetition), the median per
+rank, then the median over ranks:
   compute b64 / b32   forward, backward and SGD of the study's CharMLP at a per-rank batch of 64 / 32
   compute free        the same at the study's per-rank batch (128 / W) back to back with no barrier: how
                       the validation's "noop" runs measure the compute
@@ -16,7 +16,10 @@ over ranks:
   all-reduce fp32 / fp16   1.2 MB of float32, then the same bytes of float16 (gloo sums fp16 on the CPU)
   2 buckets async / sync   the study's two DDP buckets (1.24 MB, 11.7 KB): launched together and waited
                            (as DDP does), then one after the other (as the simulator adds them)
-Slowdowns are against W = 1's parts, which run alone.
+  all-gather / all-reduce 312 KB   QSGD 16's payload all-gathered, and all-reduced (a ring all-gather
+                           of P bytes should cost less than a ring all-reduce of P: (N-1)(a + P/b)
+                           against 2(N-1) a + 2(N-1)/N P/b)
+Printed: the median over launches (min-max); slowdowns against W = 1's parts, which run alone.
 """
 from __future__ import annotations
 
@@ -34,8 +37,10 @@ sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "shared")]
 import minidp  # noqa: E402
 
 REPEATS = 40
+LAUNCHES = 5
 BUCKETS = (1_239_408, 11_776)  # the study's exact step: its two DDP buckets, bytes
 ALLREDUCE_BYTES = 1_239_408
+GATHER_BYTES = 312_276  # QSGD 16's payload of the large bucket
 
 
 def _median_over_repeats(fn, repeats: int, lockstep: bool = True) -> float:
@@ -99,7 +104,12 @@ def _worker(local_rank: int, repeats: int, out_dir: str) -> None:
         def one_after_the_other():
             for b in buckets:
                 dist.all_reduce(b)  # ranks meet here
-        parts.update({"all-reduce fp32": _median_over_repeats(lambda: dist.all_reduce(fp32), repeats),
+        payload = torch.ones(GATHER_BYTES // 4)
+        gathered = [torch.empty_like(payload) for _ in range(world)]
+        same_bytes = torch.ones(GATHER_BYTES // 4)
+        parts.update({"all-gather 312 KB": _median_over_repeats(lambda: dist.all_gather(gathered, payload), repeats),
+                      "all-reduce 312 KB": _median_over_repeats(lambda: dist.all_reduce(same_bytes), repeats),
+                      "all-reduce fp32": _median_over_repeats(lambda: dist.all_reduce(fp32), repeats),
                       "all-reduce fp16": _median_over_repeats(lambda: dist.all_reduce(fp16), repeats),
                       "2 buckets async": _median_over_repeats(together, repeats),
                       "2 buckets sync": _median_over_repeats(one_after_the_other, repeats)})
@@ -113,27 +123,33 @@ def _worker(local_rank: int, repeats: int, out_dir: str) -> None:
         minidp.shutdown()
 
 
-def measure(repeats: int = REPEATS) -> dict:
-    out = {}
+def measure(repeats: int = REPEATS, launches: int = LAUNCHES) -> dict:
+    """{world: {part: [median seconds of each launch]}}: `launches` rounds of one launch per world size."""
+    out = {"1": {}, "2": {}, "4": {}}
     with tempfile.TemporaryDirectory(prefix="minidp-shared-cores-") as tmp:
-        for world in (1, 2, 4):
-            minidp.launch(_worker, nprocs=world, args=(repeats, tmp))
-            with open(os.path.join(tmp, f"{world}.json")) as f:
-                out[str(world)] = json.load(f)
+        for _ in range(launches):
+            for world in (1, 2, 4):
+                minidp.launch(_worker, nprocs=world, args=(repeats, tmp))
+                with open(os.path.join(tmp, f"{world}.json")) as f:
+                    for part, seconds in json.load(f).items():
+                        out[str(world)].setdefault(part, []).append(seconds)
     return out
 
 
 def table(result: dict) -> str:
-    alone = result["1"]
-    lines = [f"{'part':<18}" + "".join(f"{f'W={w} ms':>10}{'x W=1':>7}" for w in result)]
+    """Per part and world size: the median over launches (min-max), ms, and the median over W = 1's."""
+    med = statistics.median
+    alone = {part: med(v) for part, v in result["1"].items()}
+    lines = [f"{'part':<18}" + "".join(f"{f'W={w} ms (min-max)':>24}{'x W=1':>7}" for w in result)]
     for part in result["4"]:
         cells = ""
         for parts in result.values():
             if part in parts:
-                ratio = f"{parts[part] / alone[part]:.2f}" if part in alone else "-"
-                cells += f"{1e3 * parts[part]:>10.2f}{ratio:>7}"
+                v = parts[part]
+                ratio = f"{med(v) / alone[part]:.2f}" if part in alone else "-"
+                cells += f"{f'{1e3 * med(v):.2f} ({1e3 * min(v):.2f}-{1e3 * max(v):.2f})':>24}{ratio:>7}"
             else:
-                cells += f"{'-':>10}{'':>7}"
+                cells += f"{'-':>24}{'':>7}"
         lines.append(f"{part:<18}" + cells)
     return "\n".join(lines)
 
@@ -141,11 +157,14 @@ def table(result: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=REPEATS, help=f"repetitions per part (default {REPEATS})")
+    p.add_argument("--launches", type=int, default=LAUNCHES, help=f"launches per world size, alternating "
+                   f"(default {LAUNCHES})")
     p.add_argument("--out", default=None, help="JSON file for the medians (default: none)")
     args = p.parse_args(argv)
-    if args.repeats < 1:
-        p.error(f"--repeats {args.repeats} must be >= 1")
-    result = measure(args.repeats)
+    for name in ("repeats", "launches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)} must be >= 1")
+    result = measure(args.repeats, args.launches)
     print(table(result))
     if args.out:
         with open(args.out, "w") as f:

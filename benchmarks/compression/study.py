@@ -24,6 +24,8 @@ Phases, each a launch of its own:
   cost      world size 1: each method's median step against a step with no communication (the "noop"
             hook): what compress, decompress and memory cost on this machine (one bucket here);
             --repeats launches, each running every method twice, interleaved
+  payload   one process: what each more rank's payload adds to a method's aggregate (decompress and add:
+            task.payload_cost), which the cost phase's world size 1 sees once; to OUT/compression_payload.json
   validate  world sizes 2 and 4 (the same global batch: 64 and 32 per rank), seed 0, each method until
             it reaches the target (its measured time to target), and before and after them the step with
             no communication (the compute the simulator's --shared-cores validation takes) and the
@@ -32,7 +34,8 @@ Phases, each a launch of its own:
             other launch
 Each invocation tags its rows with a batch (its start time); the report reads the validation and the
 costs from the newest batch that measured them.
-  network   gloo all-reduce sweeps at world sizes 2 and 4, fitted to alpha-beta links (network.fit_ring)
+  network   gloo all-reduce sweeps at world sizes 2 and 4 (--repeats launches each, the median per size),
+            fitted to alpha-beta links (network.fit_ring)
   probe     one process: the share of exact SGD's gradients that TopK 1% and rank 1 / rank 4 keep
   report    OUT/compression_study.json, the tables (RESULTS.md between markers), the sanity checks
 """
@@ -54,12 +57,13 @@ DEFAULT_OUT = os.path.join(os.path.dirname(BENCHMARKS), "runs", "compression")  
 import compression_task as task  # noqa: E402
 import minidp  # noqa: E402
 
-PHASES = ("sweep", "seeds", "cost", "validate", "network", "probe", "report")
+PHASES = ("sweep", "seeds", "cost", "payload", "validate", "network", "probe", "report")
 FULL = dict(steps=400, eval_every=10, global_batch=128, val_windows=4096, target=1.2, start_iter=task.START_ITER,
             lrs="0.05,0.1,0.2", adam_lrs="0.001,0.003,0.01", freeze_step=40, seeds=3, cost_steps=60, repeats=5)
 QUICK = dict(steps=24, eval_every=4, global_batch=16, val_windows=256, target=4.3, start_iter=4, lrs="0.1,0.4",
              adam_lrs="0.003", freeze_step=6, seeds=2, cost_steps=10, repeats=1)
 PROBE_BYTES = (4096, 65536, 1048576, 4194304)  # the validation's in-step all-reduce probes: 4 KiB ... 4 MiB
+BUCKET_BYTES = (1_239_408, 11_776)  # the study's two DDP buckets (exact's recorded all-reduces)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -180,10 +184,22 @@ def run_phase(phase: str, args) -> None:
         for step, row in energy.items():
             print(f"step {step}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
         return
+    if phase == "payload":  # one process, no launch: aggregate one payload against five
+        import torch
+
+        torch.set_num_threads(1)  # as a rank's
+        path = os.path.join(args.out, "compression_payload.json")
+        costs = json.load(open(path)) if os.path.exists(path) else {}
+        for m in args.methods:
+            costs[m] = task.payload_cost(m, [b // 4 for b in BUCKET_BYTES])
+            print(f"payload: {m}: {1e3 * costs[m]:.3f} ms per more rank", flush=True)
+        with open(path, "w") as f:
+            json.dump(costs, f, indent=1)
+        return
     if phase == "network":
         from compression_report import measure_links
 
-        measure_links(os.path.join(args.out, "compression_network.json"), quick=args.quick)
+        measure_links(os.path.join(args.out, "compression_network.json"), quick=args.quick, repeats=args.repeats)
         return
     lrs = chosen_lrs(read_runs(runs_path(args)))
     missing = [m for m in args.methods if m not in lrs]

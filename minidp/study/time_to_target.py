@@ -10,10 +10,11 @@ freeze_step, whose warm-up all-gathers every gradient: its warmup_collectives), 
 step (op, this rank's input bytes, how often per step, whether the input shrinks as 1/N, and how many
 compute steps it overlaps: Streaming DiLoCo's sync runs beside its next sync_delay inner steps), and
 cost_s, what compress, decompress and memory (or the method's own optimizer) add to a step on the
-measuring machine; and, once, compute_s: a step with no communication. Then
+measuring machine at world size 1, payload_cost_s, what each more rank's payload adds (a method that
+all-gathers decompresses every rank's payload); and, once, compute_s: a step with no communication. Then
 
     step(N)  = busy + sum over collectives of per_step * max(0, time(op, bytes, N) - overlap_steps * busy)
-    busy     = compute + cost          (with shared cores nothing overlaps: overlap_steps counts 0)
+    busy     = compute + cost_s + (N - 1) payload_cost_s   (with shared cores nothing overlaps)
     time     = (warmup - 1) * step_warmup(N) + (steps_to_target - warmup) * step(N)
 
 step_warmup is exact's step, or the method's with its warmup_collectives where it has them (the first
@@ -88,7 +89,8 @@ def comm_time(method: dict, world_size: int, net: Network, study_world: int, bus
 
 
 def step_time(study: dict, name: str, world_size: int, net: Network, compute_s: float | None = None,
-              compute_scale: float = 1.0, warmup: bool = False, engine: bool = True) -> float:
+              compute_scale: float = 1.0, warmup: bool = False, engine: bool = True, sync_s: float = 0.0,
+              compute_1_s: float | None = None) -> float:
     """Predicted seconds of one step of method `name` (after its warm-up) at `world_size` ranks.
 
     Args:
@@ -96,13 +98,23 @@ def step_time(study: dict, name: str, world_size: int, net: Network, compute_s: 
         compute_scale: multiplies compute and the method's cost (e.g. 0.02 for a processor 50x faster). Default 1.
         warmup: a step of the method's own warm-up (its warmup_collectives) instead. Default False.
         engine: count minidp.DDP's own collectives (comm_time). Default True.
+        sync_s: what bringing the ranks into step costs, once in each step that communicates (the
+            validation's second prediction: ranks sharing cores arrive at a step's first collective
+            apart). Default 0.
+        compute_1_s: the compute of the same per-rank batch at world size 1, which compute_s is a
+            slowdown of. Default None: study["compute_s"]["1"] (the study's per-rank batch).
     """
     compute = study["compute_s"]["1"] if compute_s is None else compute_s
-    scale = compute_scale * compute / study["compute_s"]["1"]  # the method's cost slows down as the compute does
+    alone = study["compute_s"]["1"] if compute_1_s is None else compute_1_s
+    scale = compute_scale * compute / alone  # the method's cost slows down as the compute does
     method = study["methods"][name]
-    busy = compute * compute_scale + max(0.0, method["cost_s"]) * scale
-    return busy + comm_time(method, world_size, net, study["world_size"], busy,
-                            method["warmup_collectives"] if warmup else None, engine)
+    # the cost measured at world size 1 aggregated one payload; each more rank's adds payload_cost_s
+    cost = max(0.0, method["cost_s"]) + (world_size - 1) * method.get("payload_cost_s", 0.0)
+    busy = compute * compute_scale + cost * scale
+    collectives = method["warmup_collectives"] if warmup else method["collectives"]
+    communicating = min(1.0, max((c["per_step"] for c in collectives if engine or not c.get("engine")), default=0))
+    return busy + sync_s * communicating + comm_time(method, world_size, net, study["world_size"], busy, collectives,
+                                                     engine)
 
 
 def time_to_target(study: dict, name: str, world_size: int, net: Network, steps: list | None = None,
@@ -190,43 +202,51 @@ def validate(study: dict) -> list:
     measured[W]["runs"] lists runs of the method at W ranks (seed 0, one per launch), each with
     time_to_target_s, its median step_s, compute_s: the step with no communication measured in the
     same launch (all W ranks computing at once on the shared cores), which carries that launch's load,
-    and where recorded its own steps_to_target and link: the ring link fitted to all-reduces issued
-    inside that launch's training steps. Each run is predicted for its own steps (else the median over
-    the study's seeds) from its compute, the method's cost scaled by the same slowdown, its link (else
-    the gloo link fitted at W, study["network"][W]) and nothing overlapping (shared cores). Returns rows
-    of (W, method, predicted_s, measured_s, error, lowest error, highest error, predicted_step_s,
-    measured_step_s, step_error, runs): medians over the runs, errors as predicted / measured - 1.
+    and where recorded its own steps_to_target, link: the ring link fitted to all-reduces issued inside
+    that launch's training steps, and sync_s: what such an all-reduce cost beyond the gloo link fitted at
+    W (study["network"][W], back-to-back all-reduces). Each run is predicted for its own steps (else the
+    median over the study's seeds) from its compute, the method's cost scaled by the same slowdown and
+    nothing overlapping (shared cores), twice: (a) on its in-step link (else the network's), and (b) on
+    the network's link plus sync_s once a step (where recorded: else None). A cost slows down as the
+    compute of the same per-rank batch does (study["compute_s"]["1@B"], B = global_batch / W, where
+    measured: at 4 ranks the batch halves but a compressor's work does not). Returns rows of (W, method,
+    predicted_s, measured_s, error, lowest error, highest error, predicted_step_s, measured_step_s,
+    step_error, runs, (b)'s error, lowest, highest): medians over the runs, errors as predicted / measured - 1.
     """
-    def net_of(run, w):
-        link = Link(**run.get("link", study["network"][w]))
-        return Network(link, link, ranks_per_node=int(w), shared_cores=True)
+    def predict(run, w, in_step: bool):
+        link = Link(**(run.get("link", study["network"][w]) if in_step else study["network"][w]))
+        net = Network(link, link, ranks_per_node=int(w), shared_cores=True)
+        alone = study["compute_s"].get(f"1@{study.get('global_batch', 0) // int(w)}")  # that per-rank batch, alone
+        kwargs = dict(compute_s=run["compute_s"], sync_s=0.0 if in_step else run["sync_s"], compute_1_s=alone)
+        steps = [run["steps_to_target"]] if run.get("steps_to_target") else None
+        return (summarize(time_to_target(study, name, int(w), net, steps=steps, **kwargs))[0],
+                step_time(study, name, int(w), net, **kwargs))
 
-    rows = []
+    med, rows = statistics.median, []
     for w in sorted(study["network"], key=int):
         for name, method in study["methods"].items():
             runs = [r for r in method.get("measured", {}).get(w, {}).get("runs", []) if r["time_to_target_s"]]
             if not runs:
                 continue
-            pred = [summarize(time_to_target(study, name, int(w), net_of(r, w), compute_s=r["compute_s"],
-                                             steps=[r["steps_to_target"]] if r.get("steps_to_target") else None))[0]
-                    for r in runs]
-            step = [step_time(study, name, int(w), net_of(r, w), compute_s=r["compute_s"]) for r in runs]
+            pred, step = zip(*(predict(r, w, in_step=True) for r in runs))
             errors = [p / r["time_to_target_s"] - 1 for p, r in zip(pred, runs)]
-            med = statistics.median
+            synced = [predict(r, w, in_step=False)[0] / r["time_to_target_s"] - 1 for r in runs if "sync_s" in r]
             rows.append((int(w), name, med(pred), med(r["time_to_target_s"] for r in runs), med(errors), min(errors),
                          max(errors), med(step), med(r["step_s"] for r in runs),
-                         med(p / r["step_s"] - 1 for p, r in zip(step, runs)), len(runs)))
+                         med(p / r["step_s"] - 1 for p, r in zip(step, runs)), len(runs),
+                         *((med(synced), min(synced), max(synced)) if synced else (None, None, None))))
     return rows
 
 
 def format_validation(rows: list) -> str:
     w = max([16] + [len(r[1]) for r in rows])
     lines = [f"{'world':>5} {'method':<{w}} {'predicted s':>11} {'measured s':>10} {'error (runs min-max)':>24} "
-             f"{'step ms pred':>12} {'step ms meas':>12} {'error':>6}"]
-    for world, name, pred, meas, err, low, high, step, mstep, serr, n in rows:
+             f"{'step ms pred':>12} {'step ms meas':>12} {'error':>6} {'(b) link + sync':>22}"]
+    for world, name, pred, meas, err, low, high, step, mstep, serr, n, b_err, b_low, b_high in rows:
         spread = f"{100 * err:+.0f}% ({n}: {100 * low:+.0f}..{100 * high:+.0f}%)"
+        synced = "-" if b_err is None else f"{100 * b_err:+.0f}% ({100 * b_low:+.0f}..{100 * b_high:+.0f}%)"
         lines.append(f"{world:>5} {name:<{w}} {pred:>11.2f} {meas:>10.2f} {spread:>24} {1e3 * step:>12.1f} "
-                     f"{1e3 * mstep:>12.1f} {100 * serr:>+5.0f}%")
+                     f"{1e3 * mstep:>12.1f} {100 * serr:>+5.0f}% {synced:>22}")
     return "\n".join(lines)
 
 
