@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from minidp.study import simulate
+from minidp.study import simulate, validation
 from minidp.study import time_to_target as ttt
 
 GBIT, LATENCY = 10, 15e-6
@@ -126,7 +126,7 @@ def test_a_validation_run_is_predicted_for_its_own_steps_and_link():
     run = {"time_to_target_s": 4.0, "step_s": 0.016, "compute_s": 0.012, "steps_to_target": 150,
            "link": {"latency_s": 2e-3, "bandwidth": 2e8}}
     study["methods"]["topk"]["measured"] = {"2": {"runs": [run]}}
-    row = [r for r in ttt.validate(study) if r[:2] == (2, "topk")][0]
+    row = [r for r in validation.validate(study) if r[:2] == (2, "topk")][0]
     a, bw = 2e-3, 2e8
     exact = 0.012 + sum(2 * a + b / bw for b in (1_200_000, 12_000))  # ring at 2 ranks: 2 (N-1) = 2 messages
     topk = 0.012 + a + 240_000 / bw

@@ -25,7 +25,7 @@ import statistics
 import torch
 
 import compression_task as task
-from minidp.study import time_to_target as ttt
+from minidp.study import validation
 
 NETWORK_SIZES = tuple(4 ** k * 1024 for k in range(7))  # 1 KiB ... 4 MiB: the study's buffers are up to 1.2 MB
 
@@ -357,7 +357,7 @@ def report(args, rows: list, lrs: dict) -> dict:
     text = tables(s)
     if s["network"] and all(w in s["compute_s"] for w in s["network"]):
         text += "\n\nPredicted (python -m minidp.simulate --study ... --validate) against measured time to target:\n\n"
-        text += "```\n" + ttt.format_validation(ttt.validate(s)) + "\n```"
+        text += "```\n" + validation.format_validation(validation.validate(s)) + "\n```"
     print(text)
     print(f"wrote {path}")
     if args.results_md:

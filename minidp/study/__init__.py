@@ -7,8 +7,9 @@
 
 explain.py  runs a few real steps of a model on CPU ranks under minidp and torch DDP (record.py)
 simulate.py predicts a step from a recorded timeline and an alpha-beta network model (network.py)
-time_to_target.py  python -m minidp.simulate --study FILE: each communication method's time to a target
-            loss at 8 ... 1,024 ranks, from benchmarks/compression/study.py's measurements
+time_to_target.py  each communication method's time to a target loss at 8 ... 1,024 ranks, from
+            benchmarks/compression/study.py's measurements (validation.py: --study's command, and --validate
+            against the times measured on this machine)
 memory_model.py  the ZeRO paper's memory and communication per rank (memory_table.py: --memory's table)
 plot.py     draws timelines and scaling curves (matplotlib, imported only when drawing)
 """

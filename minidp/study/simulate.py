@@ -269,7 +269,7 @@ def main(argv=None) -> int:
         if not args.events:
             return 0
     if args.study:
-        from .time_to_target import main_study
+        from .validation import main_study
 
         return main_study(args, p)
     try:
