@@ -16,6 +16,8 @@ rank, then the median over ranks:
   all-reduce fp32 / fp16   1.2 MB of float32, then the same bytes of float16 (gloo sums fp16 on the CPU)
   2 buckets async / sync   the study's two DDP buckets (1.24 MB, 11.7 KB): launched together and waited
                            (as DDP does), then one after the other (as the simulator adds them)
+  step + a-r 16 B / 4 KiB  the "compute free" step ending in one all-reduce of 16 bytes (minidp.DDP's
+                           status at 4 ranks), then of 4 KiB (the validation's smallest probe), no barrier
   all-gather / all-reduce 312 KB   QSGD 16's payload all-gathered, and all-reduced (a ring all-gather
                            of P bytes should cost less than a ring all-reduce of P: (N-1)(a + P/b)
                            against 2(N-1) a + 2(N-1)/N P/b)
@@ -107,6 +109,15 @@ def _worker(local_rank: int, repeats: int, out_dir: str) -> None:
         payload = torch.ones(GATHER_BYTES // 4)
         gathered = [torch.empty_like(payload) for _ in range(world)]
         same_bytes = torch.ones(GATHER_BYTES // 4)
+        def step_and_all_reduce(tensor):  # a training step that ends in one blocking all-reduce, back to back
+            run = step(128 // world)
+
+            def both():
+                run()
+                dist.all_reduce(tensor)  # ranks meet here
+            return both
+        parts.update({"step + a-r 16 B": _median_over_repeats(step_and_all_reduce(torch.zeros(4)), repeats, False),
+                      "step + a-r 4 KiB": _median_over_repeats(step_and_all_reduce(torch.zeros(1024)), repeats, False)})
         parts.update({"all-gather 312 KB": _median_over_repeats(lambda: dist.all_gather(gathered, payload), repeats),
                       "all-reduce 312 KB": _median_over_repeats(lambda: dist.all_reduce(same_bytes), repeats),
                       "all-reduce fp32": _median_over_repeats(lambda: dist.all_reduce(fp32), repeats),
