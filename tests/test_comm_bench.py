@@ -138,6 +138,9 @@ def test_each_method_takes_its_cost_from_the_newest_invocation_that_measured_it(
     assert compute_1 == 1.0
     assert shares["m"] == pytest.approx((0.5 + 0.2) / 2)  # launches b/0 and b/1 apart, not one launch of b
     assert shares["q"] == pytest.approx(0.5)  # from batch a, the newest that measured it
+    # a row's mean step where recorded (work once in k steps is in the mean, not the median)
+    periodic = [row("noop", 2.0, "c", 0), {**row("p", 2.0, "c", 0), "mean_step_s": 3.0}]
+    assert compression_report.cost_shares(periodic, 64)[1]["p"] == pytest.approx(0.5)
 
 
 def test_the_validation_reads_the_newest_batch_and_fits_each_launch_probes():
