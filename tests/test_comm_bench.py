@@ -39,15 +39,16 @@ STREAMING = "Streaming DiLoCo /8"
 
 
 def test_compression_study_quick_run_writes_the_study(tmp_path):
-    """The real script, tiny: one launch at world size 2 (one lr each; the choice among several is tested below)
-    and the report. The cost phase and simulate --study are left to tests/test_time_to_target.py's fixture: each
-    launch here costs seconds of torch imports. DeMo, 1-bit Adam and Streaming DiLoCo: the collectives the
-    simulator reads are the bytes each method counted (12 steps: 1-bit Adam compresses from step 6, Streaming
-    DiLoCo runs one period of 8 local steps after a warm-up of 4, so each of its 2 fragments syncs once)."""
+    """The real script, tiny: one launch at world size 2 (one lr each; the choice among several is tested below),
+    the payload phase (one rank) and the report. The cost phase and simulate --study are left to
+    tests/test_time_to_target.py's fixture: each launch here costs seconds of torch imports. DeMo, 1-bit Adam
+    and Streaming DiLoCo: the collectives the simulator reads are the bytes each method counted (12 steps: 1-bit
+    Adam compresses from step 6, Streaming DiLoCo runs one period of 8 local steps after a warm-up of 4, so each
+    of its 2 fragments syncs once)."""
     results_md = tmp_path / "RESULTS.md"
     results_md.write_text("# notes kept\n")
     methods = ["exact", "TopK 1%+EF", "DeMo", "1-bit Adam", STREAMING]
-    proc = _run("benchmarks/compression/study.py", "--quick", "--phases", "sweep,report", "--methods",
+    proc = _run("benchmarks/compression/study.py", "--quick", "--phases", "sweep,payload,report", "--methods",
                 ",".join(methods), "--steps", "12", "--lrs", "0.1", "--adam-lrs", "0.003", "--out", str(tmp_path),
                 "--results-md", str(results_md))
     assert proc.returncode == 0, proc.stderr
@@ -58,6 +59,10 @@ def test_compression_study_quick_run_writes_the_study(tmp_path):
         (i + 1, m, "0.003" if m in ("DeMo", "1-bit Adam") else "0.1") for i, m in enumerate(methods)], proc.stdout
     study = json.loads((tmp_path / "compression_study.json").read_text())
     exact, topk = study["methods"]["exact"], study["methods"]["TopK 1%+EF"]
+    # the payload phase (one rank): what one more rank's payload costs, and 1-bit Adam's compression, measured
+    payload = json.loads((tmp_path / "compression_payload.json").read_text())
+    assert payload["per_payload_s"]["exact"] == 0.0 and payload["per_payload_s"]["TopK 1%+EF"] > 0
+    assert payload["onebit_compression_s"] > 0 and topk["payload_cost_s"] == payload["per_payload_s"]["TopK 1%+EF"]
     assert set(exact["sweep"]) == set(topk["sweep"]) == {"0.1"} and topk["lr"] == 0.1
     assert topk["bytes_measured"] == topk["bytes_analytical"] < topk["param_bytes"] == exact["bytes_measured"]
     assert {c["op"] for c in topk["collectives"] if not c.get("engine")} == {"all_gather"}
@@ -124,6 +129,8 @@ def test_a_cost_is_paired_with_the_compute_of_its_own_launch():
     assert compute_1 == 2.0 and shares["m"] == pytest.approx(0.25)  # median of 5/4, 3/2 and 2.2/2, less 1
     # 1-bit Adam compresses nothing at world size 1: Sign+EF's share is added to its own
     assert compression_report._cost("1-bit Adam", shares, compute_1) == pytest.approx((0.2 + 2.0) * 2.0)
+    # ... unless its own compression was measured (the payload phase): then that, in seconds
+    assert compression_report._cost("1-bit Adam", shares, compute_1, 0.5) == pytest.approx(0.2 * 2.0 + 0.5)
 
 
 def test_each_method_takes_its_cost_from_the_newest_invocation_that_measured_it():

@@ -161,16 +161,21 @@ def cost_shares(rows: list, per_rank: int) -> tuple:
     return compute_1, {m: statistics.median(v) for m, v in shares.items()}
 
 
-def _cost(method: str, shares: dict, compute_1) -> float:
+def _cost(method: str, shares: dict, compute_1, onebit_compression_s: float | None = None) -> float:
     """What the method adds to a step at compute_1 (its share of the compute; 0 if not measured).
 
-    1-bit Adam at world size 1 compresses nothing (DeepSpeed's rule): its compression is comm.Sign with
-    error feedback on a flat tensor of every gradient's size, which the hook "Sign+EF" measures; added.
+    1-bit Adam at world size 1 compresses nothing (DeepSpeed's rule): its compression is added, measured
+    by itself where the payload phase did (`onebit_compression_s`: comm.Sign's stages over its momentum,
+    in seconds at that phase's compute), else by proxy: the hook "Sign+EF"'s share (comm.Sign with error
+    feedback over every gradient, with a hook's bucket copies besides).
     """
     if method not in shares or not compute_1:
         return 0.0
-    extra = shares.get("Sign+EF", 0.0) if task.METHODS[method] == "onebit" else 0.0
-    return (shares[method] + extra) * compute_1
+    if task.METHODS[method] != "onebit":
+        return shares[method] * compute_1
+    if onebit_compression_s is not None:
+        return shares[method] * compute_1 + onebit_compression_s
+    return (shares[method] + shares.get("Sign+EF", 0.0)) * compute_1
 
 
 def study(args, rows: list, lrs: dict) -> dict:
@@ -183,7 +188,8 @@ def study(args, rows: list, lrs: dict) -> dict:
         if cost_shares(rows, batch)[0]:
             compute[f"1@{batch}"] = cost_shares(rows, batch)[0]
     payload_path = os.path.join(args.out, "compression_payload.json")  # the payload phase's
-    payloads = json.load(open(payload_path)) if os.path.exists(payload_path) else {}
+    measured = json.load(open(payload_path)) if os.path.exists(payload_path) else {}
+    payloads = measured.get("per_payload_s", {})
     net_path = os.path.join(args.out, "compression_network.json")
     network = {}
     if os.path.exists(net_path):
@@ -211,7 +217,7 @@ def study(args, rows: list, lrs: dict) -> dict:
             "bytes_measured": first["bytes_measured"], "bytes_analytical": first["bytes_analytical"],
             "param_bytes": first["param_bytes"], "collectives": newest["collectives"], "start_iter": start,
             "bytes_to_target": [bytes_to_target(first, r["steps_to_target"], start) for r in runs],
-            "cost_s": _cost(m, shares, compute_1),
+            "cost_s": _cost(m, shares, compute_1, measured.get("onebit_compression_s")),
             "payload_cost_s": payloads.get(m, 0.0),
             "measured": {},
             "sweep": {str(r["lr"]): [r["steps_to_target"], r["final_val_loss"]] for k, r in latest.items()

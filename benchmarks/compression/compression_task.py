@@ -253,6 +253,28 @@ def payload_cost(name: str, bucket_numels, repeats: int = 30) -> float:
     return total
 
 
+def onebit_compression_cost(shapes, repeats: int = 30) -> float:
+    """Seconds 1-bit Adam's compressed step adds: comm.Sign's worker and server stages, with both errors,
+    over the flat momentum of `shapes` (what OneBitAdam runs after its warm-up), on a group of one rank,
+    where OneBitAdam itself compresses nothing (DeepSpeed's rule). Needs an initialized process group."""
+    import math
+    import statistics
+    import time
+
+    from minidp.comm.exchange import Channel, Job
+
+    channel, sign = Channel(comm.TorchDist()), comm.Sign()  # ranks meet here (TorchDist: a new group)
+    numels = [math.prod(shape) for shape in shapes]
+    momentum, times = torch.randn(sum(numels)), []
+    for step in range(repeats + 3):  # three warm-ups
+        began = time.perf_counter()
+        job = Job(momentum.clone(), list(range(len(numels))), numels, True,
+                  comm.Context(0, 1, step, list(shapes), momentum.dtype, momentum.device))
+        sign.reduce(job, channel)  # ranks meet here (one)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times[3:])
+
+
 def gradient_energy(text: Text, lr: float = 0.1, steps=(10, 100, 200, 300), seed: int = 0) -> dict:
     """How much of a gradient TopK 1% and a rank-1/rank-4 approximation keep, along exact SGD's run (one process).
 

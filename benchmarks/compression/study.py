@@ -24,8 +24,10 @@ Phases, each a launch of its own:
   cost      world size 1: each method's median step against a step with no communication (the "noop"
             hook): what compress, decompress and memory cost on this machine (one bucket here);
             --repeats launches, each running every method twice, interleaved
-  payload   one process: what each more rank's payload adds to a method's aggregate (decompress and add:
-            task.payload_cost), which the cost phase's world size 1 sees once; to OUT/compression_payload.json
+  payload   one rank: what each more rank's payload adds to a method's aggregate (decompress and add:
+            task.payload_cost), which the cost phase's world size 1 sees once, and 1-bit Adam's compression
+            (task.onebit_compression_cost: at world size 1 it compresses nothing); to
+            OUT/compression_payload.json
   validate  world sizes 2 and 4 (the same global batch: 64 and 32 per rank), seed 0, each method until
             it reaches the target (its measured time to target), and before and after them the step with
             no communication (the compute the simulator's --shared-cores validation takes) and the
@@ -166,6 +168,26 @@ def _worker(local_rank: int, jobs: list, cfg: dict, phase: str, path: str, tags:
     minidp.shutdown()
 
 
+def _payload_worker(local_rank: int, methods: list, path: str) -> None:
+    """The payload phase's one rank: per method what one more rank's payload costs its aggregate, and 1-bit
+    Adam's compression, added to what `path` holds (methods measured before keep their value)."""
+    import torch
+
+    minidp.init(backend="gloo")
+    torch.set_num_threads(1)  # as a rank's
+    found = {"per_payload_s": {}}
+    if os.path.exists(path):
+        with open(path) as f:
+            found.update(json.load(f))
+    for m in methods:
+        found["per_payload_s"][m] = task.payload_cost(m, [b // 4 for b in BUCKET_BYTES])
+    shapes = [tuple(p.shape) for p in task.CharMLP(task.Text.load(val_windows=16).vocab).parameters()]
+    found["onebit_compression_s"] = task.onebit_compression_cost(shapes)
+    with open(path, "w") as f:
+        json.dump(found, f, indent=1)
+    minidp.shutdown()
+
+
 def launch(phase: str, jobs: list, world: int, cfg: dict, args, repeat: int = 0) -> None:
     print(f"{phase}: {len(jobs)} run(s) at world size {world}, rows to {runs_path(args)}", flush=True)
     tags = {"batch": args.batch, "repeat": repeat}
@@ -184,17 +206,14 @@ def run_phase(phase: str, args) -> None:
         for step, row in energy.items():
             print(f"step {step}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
         return
-    if phase == "payload":  # one process, no launch: aggregate one payload against five
-        import torch
-
-        torch.set_num_threads(1)  # as a rank's
+    if phase == "payload":  # one process: aggregate one payload against five; 1-bit Adam's compression
         path = os.path.join(args.out, "compression_payload.json")
-        costs = json.load(open(path)) if os.path.exists(path) else {}
-        for m in args.methods:
-            costs[m] = task.payload_cost(m, [b // 4 for b in BUCKET_BYTES])
-            print(f"payload: {m}: {1e3 * costs[m]:.3f} ms per more rank", flush=True)
-        with open(path, "w") as f:
-            json.dump(costs, f, indent=1)
+        minidp.launch(_payload_worker, nprocs=1, args=(args.methods, path))
+        with open(path) as f:
+            found = json.load(f)
+        for m, seconds in found["per_payload_s"].items():
+            print(f"payload: {m}: {1e3 * seconds:.3f} ms per more rank", flush=True)
+        print(f"payload: 1-bit Adam's compression: {1e3 * found['onebit_compression_s']:.3f} ms a step", flush=True)
         return
     if phase == "network":
         from compression_report import measure_links
