@@ -1,6 +1,6 @@
 """The gradient-compression study: steps and time to a target validation loss, per method, on real text.
 
-    python benchmarks/compression/study.py                      # every phase (20-25 min on 2 idle cores)
+    python benchmarks/compression/study.py                      # every phase (25-30 min on 2 idle cores)
     python benchmarks/compression/study.py --phases sweep,seeds # only some phases; rows are appended to RUNS
     python benchmarks/compression/study.py --phases report      # rebuild the study JSON and table from RUNS
     python benchmarks/compression/study.py --quick --out /tmp/c # tiny sizes, seconds (the smoke test)
