@@ -93,14 +93,14 @@ def run_one(method: str, lr: float, seed: int, text: task.Text, cfg: dict) -> di
     param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     spec = task.METHODS.get(method)
     recorder = task.RecordingDist() if method in ("exact", "Adam") else None  # the engine's all-reduces, noted
+    computing_only = method in ("noop", "probe")
     if spec in task.NO_DDP:  # DeMo, 1-bit Adam: their step communicates (a plain module, as their authors')
         model = module
     else:
-        model = minidp.DDP(module, transport=recorder) if recorder else minidp.DDP(module)
+        model = minidp.DDP(module, transport=_NoWires() if computing_only else recorder)
     opt = task.optimizer(method, module.parameters(), lr, cfg["freeze_step"])
     probe = torch.zeros(cfg["probe_bytes"] // 4) if method == "probe" else None
-    if method in ("noop", "probe"):
-        model = minidp.DDP(module, transport=_NoWires())
+    if computing_only:
         stepper, counter = None, None
     else:
         stepper, counter = task.attach(model, method, cfg["start_iter"], opt)
@@ -166,7 +166,7 @@ def run_one(method: str, lr: float, seed: int, text: task.Text, cfg: dict) -> di
             "bytes_analytical": param_bytes if counter is None else (analytical - base[1]) / compressed,
             "method_start": start,
             **({"probe_bytes": cfg["probe_bytes"]} if probe is not None else {}),
-            "collectives": [] if method in ("noop", "probe") else task.collectives(
+            "collectives": [] if computing_only else task.collectives(
                 method, noted["calls"], param_bytes, world, stepper) + task.engine_collectives(noted["engine_calls"]),
             **({"warmup_collectives": task.collectives(method, noted["warmup_calls"], param_bytes, world)}
                if spec == "onebit" else {})}

@@ -80,6 +80,7 @@ METHODS = {
     f"Streaming DiLoCo /{DILOCO_PERIOD}": "streaming",  # STREAMING: 2 fragments, sync_delay 1, 4 bits
     "Adam": "adam", "DeMo": "demo", "1-bit Adam": "onebit",
 }
+BUCKET_BYTES = (1_239_408, 11_776)  # CharMLP's two DDP buckets (exact's recorded all-reduces), bytes
 OWN_OPTIMIZER = ("adam", "demo", "onebit")  # swept over --adam-lrs: sign and Adam steps want a smaller lr
 NO_DDP = ("demo", "onebit")  # their step communicates; a plain module, no gradient all-reduce
 

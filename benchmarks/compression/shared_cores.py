@@ -40,8 +40,6 @@ import minidp  # noqa: E402
 
 REPEATS = 40
 LAUNCHES = 5
-BUCKETS = (1_239_408, 11_776)  # the study's exact step: its two DDP buckets, bytes
-ALLREDUCE_BYTES = 1_239_408
 GATHER_BYTES = 312_276  # QSGD 16's payload of the large bucket
 
 
@@ -96,8 +94,9 @@ def _worker(local_rank: int, repeats: int, out_dir: str) -> None:
              "compute free": _median_over_repeats(step(128 // world), repeats, lockstep=False),
              "cpu work": _median_over_repeats(cpu_work, repeats)}
     if world > 1:
-        fp32, fp16 = torch.ones(ALLREDUCE_BYTES // 4), torch.ones(ALLREDUCE_BYTES // 2, dtype=torch.float16)
-        buckets = [torch.ones(b // 4) for b in BUCKETS]
+        large = task.BUCKET_BYTES[0]
+        fp32, fp16 = torch.ones(large // 4), torch.ones(large // 2, dtype=torch.float16)
+        buckets = [torch.ones(b // 4) for b in task.BUCKET_BYTES]
 
         def together():
             for work in [dist.all_reduce(b, async_op=True) for b in buckets]:  # ranks meet here (each)

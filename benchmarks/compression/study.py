@@ -21,9 +21,9 @@ Phases, each a launch of its own:
             (world 2); a method's lr is the one with the fewest steps to --target (ties: the lowest final
             validation loss)
   seeds     the other --seeds at each method's lr (world 2)
-  cost      world size 1: each method's median step against a step with no communication (the "noop"
-            hook): what compress, decompress and memory cost on this machine (one bucket here);
-            --repeats launches, each running every method twice, interleaved
+  cost      world size 1: each method's mean step against a step with no communication ("noop": DDP
+            with a transport that sends nothing): what compress, decompress and memory cost on this
+            machine; --repeats launches, each running every method twice, interleaved
   payload   one rank: what each more rank's payload adds to a method's aggregate (decompress and add:
             task.payload_cost), which the cost phase's world size 1 sees once, and 1-bit Adam's compression
             (task.onebit_compression_cost: at world size 1 it compresses nothing); to
@@ -34,12 +34,12 @@ Phases, each a launch of its own:
             probes: that step with one all-reduce of PROBE_BYTES each (the link as a step meets it);
             --repeats launches per world size, alternating 2 and 4, the methods' order reversed every
             other launch
-Each invocation tags its rows with a batch (its start time); the report reads the validation and the
-costs from the newest batch that measured them.
   network   gloo all-reduce sweeps at world sizes 2 and 4 (--repeats launches each, the median per size),
             fitted to alpha-beta links (network.fit_ring)
   probe     one process: the share of exact SGD's gradients that TopK 1% and rank 1 / rank 4 keep
   report    OUT/compression_study.json, the tables (RESULTS.md between markers), the sanity checks
+Each invocation tags its rows with a batch (its start time); the report reads the validation and the
+costs from the newest batch that measured them.
 """
 from __future__ import annotations
 
@@ -65,7 +65,6 @@ FULL = dict(steps=400, eval_every=10, global_batch=128, val_windows=4096, target
 QUICK = dict(steps=24, eval_every=4, global_batch=16, val_windows=256, target=4.3, start_iter=4, lrs="0.1,0.4",
              adam_lrs="0.003", freeze_step=6, seeds=2, cost_steps=10, repeats=1)
 PROBE_BYTES = (4096, 65536, 1048576, 4194304)  # the validation's in-step all-reduce probes: 4 KiB ... 4 MiB
-BUCKET_BYTES = (1_239_408, 11_776)  # the study's two DDP buckets (exact's recorded all-reduces)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -180,7 +179,7 @@ def _payload_worker(local_rank: int, methods: list, path: str) -> None:
         with open(path) as f:
             found.update(json.load(f))
     for m in methods:
-        found["per_payload_s"][m] = task.payload_cost(m, [b // 4 for b in BUCKET_BYTES])
+        found["per_payload_s"][m] = task.payload_cost(m, [b // 4 for b in task.BUCKET_BYTES])
     shapes = [tuple(p.shape) for p in task.CharMLP(task.Text.load(val_windows=16).vocab).parameters()]
     found["onebit_compression_s"] = task.onebit_compression_cost(shapes)
     with open(path, "w") as f:
