@@ -32,7 +32,7 @@ _PUBLIC = {
     "get_world_size": ".runtime.ranks", "is_main": ".runtime.ranks", "local_rank_zero_first": ".runtime.ranks",
     "print0": ".runtime.ranks",
     "SyncBatchNorm": ".train.syncbn", "convert_sync_batchnorm": ".train.syncbn",
-    "ZeroRedundancyOptimizer": ".sharded.zero",
+    "ZeroRedundancyOptimizer": ".sharded.zero.optimizer",
     "fully_shard": ".sharded.fsdp.api",
 }
 __all__ = sorted(_PUBLIC)

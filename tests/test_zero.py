@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
 from harness import error_of, run_ranks
-from minidp.sharded import partition
+from minidp.sharded.zero import partition
 from training import rank_batches, snapshot, train
 
 STEPS = 20

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import minidp
 from harness import error_of, run_ranks
 from minidp.hooks import hook_with_zero_step, hook_with_zero_step_interleaved
-from minidp.sharded import overlap
+from minidp.sharded.zero import overlap
 from training import mse, rank_batches, snapshot
 
 STEPS = 8

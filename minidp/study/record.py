@@ -103,8 +103,7 @@ def _zero_stepping_in_backward(model, variant: str):
     hook_with_zero_step ("end": all buckets in the last bucket's hook) or its interleaved variant."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from ..sharded import overlap
-    from ..sharded.zero import ZeroRedundancyOptimizer
+    from ..sharded.zero import ZeroRedundancyOptimizer, overlap
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=1e-3)
     make_hook = overlap.hook_with_zero_step_interleaved if variant == "interleaved" else overlap.hook_with_zero_step
     model.register_comm_hook(None, make_hook(allreduce_hook, model, zero))

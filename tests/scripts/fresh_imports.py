@@ -25,9 +25,9 @@ report["launch_module"] = minidp.launch.__module__
 report["ddp_name"] = minidp.DDP.__name__  # loads torch and the engine now
 engine_hooks = sys.modules["minidp.engine.hooks"]
 # minidp.hooks is a module of its own (no sys.modules swap) that gives the engine's names, not copies,
-# and the sharded optimizer's hooks (minidp/sharded/overlap.py)
-public_hooks = minidp.hooks  # imports minidp/hooks.py, which imports minidp/sharded/overlap.py
-zero_hooks = sys.modules["minidp.sharded.overlap"]
+# and the sharded optimizer's hooks (minidp/sharded/zero/overlap.py)
+public_hooks = minidp.hooks  # imports minidp/hooks.py, which imports minidp/sharded/zero/overlap.py
+zero_hooks = sys.modules["minidp.sharded.zero.overlap"]
 report["hooks_names_are_the_engines"] = (
     public_hooks is not engine_hooks
     and minidp.hooks.__all__ == [*engine_hooks.__all__, "hook_with_zero_step", "hook_with_zero_step_interleaved"]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engine.collectives import collective_device, global_rank
+from ...engine.collectives import collective_device, global_rank
 
 
 def copy_to(value: Any, device: torch.device) -> Any:

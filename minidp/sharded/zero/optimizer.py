@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from ..engine.collectives import global_rank
-from ..validate import check_bool, check_int
+from ...engine.collectives import global_rank
+from ...validate import check_bool, check_int
 from . import arguments, flat_params, overlap, partition, state_dicts
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..engine.collectives import global_rank
+from ...engine.collectives import global_rank
 from . import flat_params
 
 STEP_LANE, BROADCAST_LANE = "ZeRO: step (own buckets)", "ZeRO: broadcasts"
