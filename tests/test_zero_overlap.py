@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import minidp
 from harness import error_of, run_ranks
 from minidp.hooks import hook_with_zero_step, hook_with_zero_step_interleaved
-from minidp.sharded.zero import overlap
+from minidp.sharded.zero import bucket_assignment
 from training import mse, rank_batches, snapshot
 
 STEPS = 8
@@ -219,14 +219,14 @@ def test_bucket_assignment_rule_by_hand():
     """torch's rule: whole buckets round robin; shard_buckets cuts each below total/N, smallest first."""
     sizes = [[6, 2], [1], [3, 3, 3]]  # 18 elements; N=2: threshold 9
     buckets = [[torch.empty(n) for n in b] for b in sizes]
-    whole = overlap.assign_buckets(buckets, 2, shard_buckets=False)
+    whole = bucket_assignment.assign_buckets(buckets, 2, shard_buckets=False)
     assert [sorted(r) for r in whole] == [[0, 2], [1]]
-    cut = overlap.assign_buckets(buckets, 2, shard_buckets=True)
+    cut = bucket_assignment.assign_buckets(buckets, 2, shard_buckets=True)
     # by size: bucket 1 (1) -> rank 0; bucket 0 (8, below 9) -> rank 1 (load 0 < 1); bucket 2 is cut
     # before its third tensor (3 + 3 + 3 reaches 9): [3, 3] -> rank 0 (1 < 8), [3] -> rank 1 (0 has a piece)
     assert {b: (a.offset, len(a.params)) for b, a in cut[0].items()} == {1: (0, 1), 2: (0, 2)}
     assert {b: (a.offset, len(a.params)) for b, a in cut[1].items()} == {0: (0, 2), 2: (2, 1)}
-    one = overlap.assign_buckets([[torch.empty(n) for n in (5, 2, 6)]], 3, shard_buckets=True)  # threshold 4.3
+    one = bucket_assignment.assign_buckets([[torch.empty(n) for n in (5, 2, 6)]], 3, shard_buckets=True)  # threshold 4.3
     assert [(b, a.offset, len(a.params)) for r in one for b, a in r.items()] == [(0, 0, 1), (0, 1, 1), (0, 2, 1)]
     with pytest.raises(RuntimeError, match="shard_buckets=True: bucket 0 would be cut into 3 pieces for 2 ranks"):
-        overlap.assign_buckets([[torch.empty(n) for n in (5, 2, 6)]], 2, shard_buckets=True)
+        bucket_assignment.assign_buckets([[torch.empty(n) for n in (5, 2, 6)]], 2, shard_buckets=True)

@@ -1,21 +1,23 @@
 """minidp.ZeroRedundancyOptimizer: ZeRO-1, each rank keeps the optimizer state of its shard only.
 
-Every rank holds all the weights and (after DDP's all-reduce) all the averaged gradients, as in plain
-data parallelism; what is split is the optimizer. Each rank builds a local optimizer (`optim`) over
-its shard of the parameters (partition.py), steps only those, then every rank broadcasts its shard so
-that all ranks end the step with all the updated weights. Adam's two moments per parameter (8 bytes
-in fp32) are thus kept once across the ranks instead of once per rank.
+Every rank holds all the weights and (after DDP's all-reduce) all the averaged gradients, as in
+plain data parallelism; what is split is the optimizer. Each rank builds a local optimizer (`optim`)
+over its shard of the parameters (partition.py), steps only those, then every rank broadcasts its
+shard so that all ranks end the step with all the updated weights. Adam's two moments per
+parameter (8 bytes in fp32) are thus kept once across the ranks instead of once per rank.
 
 Example:
     model = minidp.DDP(net)
     opt = minidp.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
     model(x).sum().backward()
     opt.step()  # steps this rank's shard, then broadcasts every shard
+
+overlap_with_ddp=True (the step inside DDP's backward) lives beside this class, in overlap.py: the
+class holds a policy, `_stepping`, that says whether step() steps and what may be called when;
+StepAfterBackward, at the end of this file, is plain ZeRO-1's.
 """
 from __future__ import annotations
 
-import inspect
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -50,16 +52,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """
 
     def __init__(self, params, optimizer_class: type[Optimizer], process_group: Any = None,
-                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, **defaults: Any):
+                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
+                 **defaults: Any):
         params = arguments.check_params(params)
         # torch's attribute of this name (its join hook tests read it): the constructor's parameters
         self._all_params = arguments.all_params(params)
         self.initialized = False  # Optimizer.__init__ calls add_param_group: no partition yet
         Optimizer.__init__(self, params, defaults)
         Joinable.__init__(self)
+        # torch's attribute name: hook_with_zero_step (torch's and minidp's) checks it
         self._overlap_with_ddp = check_bool("overlap_with_ddp", overlap_with_ddp)
         optimizer_class = arguments.check_optimizer_class(optimizer_class, self._overlap_with_ddp)
-        self.parameters_as_bucket_view = check_bool("parameters_as_bucket_view", parameters_as_bucket_view)
+        self.parameters_as_bucket_view = check_bool("parameters_as_bucket_view",
+                                                    parameters_as_bucket_view)
         self.process_group = dist.group.WORLD if process_group is None else process_group
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
@@ -69,21 +74,26 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._optim_defaults = defaults
         self._trainable = self._trainable_mask()
         self._buffers: list[list[torch.Tensor]] = []
-        if self._overlap_with_ddp:  # partition and local optimizer wait for DDP's buckets
-            arguments.check_overlap(self.param_groups, parameters_as_bucket_view)
-            self._optimizer_class = optimizer_class
-            self._overlap = overlap.Overlap(self.world_size)
-        else:
-            # Every rank computes every rank's shard: the broadcasts need to know what each rank sends.
-            self._partition = partition.partition_parameters(self.param_groups, self.world_size)
-            # A list of group dicts (empty groups included) skips Optimizer's empty-list check: a rank
-            # may own nothing of a group, or nothing at all when there are more ranks than tensors.
-            self.optim = optimizer_class(self._partition[self.rank], **defaults)
-            # the local optimizer filled in its defaults (momentum=0, betas, ...): show them here
-            self._sync_param_groups(self.optim.param_groups, self.param_groups)
-            self._build_buffers()
         self._all_state_dicts: list[dict] = []  # filled on the `to` rank by consolidate_state_dict
+        if self._overlap_with_ddp:  # the hook partitions DDP's buckets, once they are final
+            arguments.check_overlap(self.param_groups, parameters_as_bucket_view)
+            self._stepping = overlap.StepInBackward(optimizer_class, self.world_size)
+        else:
+            self._stepping = StepAfterBackward()
+            # Every rank computes every rank's shard: the broadcasts need to know what each sends.
+            self._shard(partition.partition_parameters(self.param_groups, self.world_size),
+                        optimizer_class, defaults)
+            self._build_buffers()
         self.initialized = True
+
+    def _shard(self, shards: list[list[dict]], optimizer_class, defaults: dict) -> None:
+        """Keep `shards` (every rank's groups) and build the local optimizer over this rank's."""
+        self._partition = shards
+        # A list of group dicts (empty groups included) skips Optimizer's empty-list check: a rank
+        # may own nothing of a group, or nothing at all when there are more ranks than tensors.
+        self.optim = optimizer_class(shards[self.rank], **defaults)
+        # the local optimizer filled in its defaults (momentum=0, betas, ...): show them here
+        self._sync_param_groups(self.optim.param_groups, self.param_groups)
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -98,18 +108,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Returns:
             The local optimizer's return value (the closure's loss, if any).
         """
-        if self._overlap_with_ddp:  # the hook stepped already, inside backward
-            warnings.warn("`step()` should not be included in the training loop when `overlap_with_ddp=True`",
-                          stacklevel=2)
+        if not self._stepping.steps_in_step():  # overlap_with_ddp: it stepped in backward
             return None
-        Join.notify_join_context(self)  # under Join(): ranks still training shadow a joined rank's step
+        Join.notify_join_context(self)  # under Join(): ranks still training shadow a joined rank
         loss = self._local_step(closure, **kwargs)
         self._broadcast_shards()
         return loss
 
     def _local_step(self, closure, **kwargs):
         if self._trainable_mask() != self._trainable:
-            # requires_grad changed since the buffers were built: a frozen parameter leaves its buffer
+            # requires_grad changed since the buffers were built: a frozen parameter leaves its
+            # buffer
             self._build_buffers()
             self._trainable = self._trainable_mask()
         return self._step_local_optimizer(closure, **kwargs)
@@ -117,45 +126,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _step_local_optimizer(self, closure=None, **kwargs):
         # An LR scheduler changes `param_groups`: the local optimizer must see the new values.
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
-        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
+        if closure is None:
+            loss = self.optim.step(**kwargs)
+        else:
+            loss = self.optim.step(closure=closure, **kwargs)
         self._sync_param_groups(self.optim.param_groups, self.param_groups)
         return loss
-
-    # -- overlap_with_ddp: called by overlap.py's hook --------------------------------------------
-
-    def _init_for_overlap(self, params_per_rank: list[list[torch.Tensor]]) -> None:
-        """The partition by DDP bucket (overlap.assign_buckets) and the local optimizer over ours."""
-        known = set(self.param_groups[0]["params"])
-        if any(p not in known for params in params_per_rank for p in params):
-            raise ValueError("Passing a new parameter in `params_per_rank` that was not passed into the "
-                             "ZeroRedundancyOptimizer constructor")
-        self._partition = [[dict(self.param_groups[0], params=params)] for params in params_per_rank]
-        defaults = dict(self._optim_defaults)
-        if "foreach" in inspect.signature(self._optimizer_class).parameters:
-            defaults.setdefault("foreach", False)  # torch's functional optimizers' arithmetic
-        self.optim = self._optimizer_class(self._partition[self.rank], **defaults)
-        self._sync_param_groups(self.optim.param_groups, self.param_groups)
-
-    def _step_params(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """Step only `params`, with `grads` (views of DDP's bucket): the others' .grad is None meanwhile.
-
-        An optimizer skips a parameter whose .grad is None (no state change): this is the step of a
-        torch functional optimizer given None for the other parameters. The .grads are restored.
-        """
-        if self._trainable_mask() != self._trainable:
-            raise RuntimeError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` does not support changing "
-                               "parameter trainability at run time")
-        local = partition.shard_params(self._partition, self.rank)
-        kept = [p.grad for p in local]
-        for p in local:
-            p.grad = None
-        for p, grad in zip(params, grads):
-            p.grad = grad
-        try:
-            self._step_local_optimizer()
-        finally:
-            for p, grad in zip(local, kept):
-                p.grad = grad
 
     def _broadcast_shards(self) -> None:
         """Every rank broadcasts what it stepped; all are started, then all are waited for.
@@ -169,7 +145,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             src = global_rank(self.process_group, rank)
             for tensor in self._sent_by(rank):
                 # ranks meet here: rank `src` sends, the others receive in place
-                handles.append(dist.broadcast(tensor, src=src, group=self.process_group, async_op=True))
+                handles.append(dist.broadcast(tensor, src=src, group=self.process_group,
+                                              async_op=True))
         for handle in handles:
             handle.wait()
 
@@ -190,12 +167,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Args:
             param_group: a dict with "params" and optional hyperparameters, as for any optimizer.
         """
-        if self.initialized and self._overlap_with_ddp:
-            raise RuntimeError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a single "
-                               "parameter group")
+        if not self.initialized:  # called by Optimizer.__init__ for the constructor's groups
+            super().add_param_group(param_group)
+            return
+        self._stepping.check_add_param_group()
         super().add_param_group(param_group)
-        if not self.initialized:
-            return  # called by Optimizer.__init__ for the constructor's groups
         self._partition = partition.partition_parameters(self.param_groups, self.world_size)
         self.optim.add_param_group(self._partition[self.rank][-1])
         self._build_buffers()
@@ -205,7 +181,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _sync_param_groups(src: list[dict], dst: list[dict]) -> None:
         """Copy every hyperparameter (every key but "params") from `src`'s groups to `dst`'s."""
         if len(src) != len(dst):
-            raise RuntimeError(f"{len(src)} parameter groups against {len(dst)}: they must match one to one")
+            raise RuntimeError(f"{len(src)} parameter groups against {len(dst)}: they must match "
+                               "one to one")
         for src_group, dst_group in zip(src, dst):
             dst_group.update({k: v for k, v in src_group.items() if k != "params"})
 
@@ -213,7 +190,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return [p.requires_grad for g in self.param_groups for p in g["params"]]
 
     def _build_buffers(self) -> None:
-        if self.parameters_as_bucket_view and not self._overlap_with_ddp:
+        if self.parameters_as_bucket_view:
             self._buffers = flat_params.build_buffers(self._partition)
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -225,32 +202,33 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             to: the group rank that receives the states (default 0).
         """
         to = check_int("to", to, 0, self.world_size - 1)
-        self._check_overlap_initialized()
+        self._stepping.check_ready()
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
-        self._all_state_dicts = state_dicts.gather_on(self.optim.state_dict(), to, self.process_group,
-                                                      self._default_device)
+        self._all_state_dicts = state_dicts.gather_on(self.optim.state_dict(), to,
+                                                      self.process_group, self._default_device)
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole optimizer's state as of the last consolidate_state_dict(), on the rank it went to.
+        """The whole optimizer's state as of the last consolidate_state_dict(), on its `to` rank.
 
         The format is a plain optimizer's over all the parameters ("state" numbered in group order,
         "param_groups" with indices), which torch's ZeroRedundancyOptimizer also writes and reads.
         """
-        self._check_overlap_initialized()
+        self._stepping.check_ready()
         if not self._all_state_dicts:
-            raise RuntimeError("Optimizer state has not been consolidated on this rank. Please call "
-                               f"`consolidate_state_dict(to={self.rank})` on all ranks beforehand if you meant to "
-                               "save the global state.")
-        return state_dicts.merge(super().state_dict(), self._all_state_dicts, self._partition, self.param_groups)
+            raise RuntimeError("Optimizer state has not been consolidated on this rank. Please "
+                               f"call `consolidate_state_dict(to={self.rank})` on all ranks "
+                               "beforehand if you meant to save the global state.")
+        return state_dicts.merge(super().state_dict(), self._all_state_dicts, self._partition,
+                                 self.param_groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a consolidated state dict (minidp's or torch's): this rank keeps its shard's entries.
+        """Load a consolidated state dict (minidp's or torch's): this rank keeps its shard's.
 
         Args:
             state_dict: what state_dict() returned (on any world size: the numbering is global).
                 It is not changed; the states loaded are copies.
         """
-        self._check_overlap_initialized()
+        self._stepping.check_ready()
         # The base class checks the groups match (count and sizes) and takes their hyperparameters;
         # it gets no "state": the wrapper keeps none, the local optimizer does.
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
@@ -260,16 +238,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self.optim.state[param] = value
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
 
-    def _check_overlap_initialized(self) -> None:
-        if self._overlap_with_ddp and self._overlap.status != overlap.READY:
-            raise RuntimeError("This method should not be called until this ZeroRedundancyOptimizer instance has "
-                               "been fully initialized")
-
     # -- Join (uneven inputs) -------------------------------------------------------------------
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        """Under torch's Join(): a rank out of data still steps (its gradients are zeros by then) and
-        broadcasts its shard, so the ranks still training receive it. No keyword arguments."""
+        """Under torch's Join(): a rank out of data still steps (its gradients are zeros by then)
+        and broadcasts its shard, so the ranks still training receive it. No keyword arguments."""
         return _StepWhenJoined(self)
 
     @property
@@ -282,10 +255,26 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
 
 class _StepWhenJoined(JoinHook):
-    """A joined rank's part of every step the other ranks still take: the step and its broadcasts."""
+    """A joined rank's part of every step the others still take: the step and its broadcasts."""
 
     def __init__(self, zero: ZeroRedundancyOptimizer):
         self.zero = zero
 
     def main_hook(self) -> None:
         self.zero.step()
+
+
+class StepAfterBackward:
+    """Plain ZeRO-1's policy (`zero._stepping`): the partition exists from construction on, and
+    step() steps, after backward. overlap.StepInBackward answers the same three questions for
+    overlap_with_ddp=True, where the step runs inside DDP's backward."""
+
+    def steps_in_step(self) -> bool:
+        """Whether step() steps: here always."""
+        return True
+
+    def check_add_param_group(self) -> None:
+        """Raise if a parameter group cannot be added: here it always can."""
+
+    def check_ready(self) -> None:
+        """Raise if the partition (and the local optimizer) is not made yet: here it always is."""

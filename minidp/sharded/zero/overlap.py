@@ -1,5 +1,5 @@
-"""The optimizer step inside DDP's backward: ZeroRedundancyOptimizer(overlap_with_ddp=True) driven by
-hook_with_zero_step, with the behaviour of torch's hook of that name (which the tests compare against).
+"""The optimizer step inside DDP's backward: ZeroRedundancyOptimizer(overlap_with_ddp=True) driven
+by hook_with_zero_step, with the behaviour of torch's hook of that name (the tests compare the two).
 
 Why: with plain ZeRO-1, backward ends, then each rank steps its shard, then every rank waits for the
 broadcasts of the shards it did not step. Here the step runs inside DDP's comm hook of the last
@@ -8,18 +8,19 @@ all-reduce is done, and starts broadcasting each bucket's new weights at once, w
 buckets' all-reduces are still in flight. The next forward finds the weights updated; the training
 loop has no opt.step().
 
-The unit of ownership is DDP's bucket, not the parameter: bucket i belongs to rank i % N, or with
-shard_buckets=True buckets are cut into pieces of about 1/N of the model (torch's rule, below). So
-the partition can only be made once DDP's buckets are final, which takes two steps:
+Everything of this mode is here: ZeroRedundancyOptimizer only holds a StepInBackward as its policy
+(`zero._stepping`) and hands it what it asks for. The unit of ownership is DDP's bucket
+(bucket_assignment.py), so the partition can only be made once DDP's buckets are final, which
+takes two steps:
   step 1   DDP has not rebuilt its buckets yet: the hook only runs `hook` (no update, as torch)
   step 2   the buckets are rebuilt: every hook call records its bucket's parameters (no update)
   step 3   at bucket 0: the partition, the flat per-bucket tensors and the local optimizer are made;
            from this step on every step updates the weights (static_graph=True: a step later)
-Ranks must meet in the same order: in the last bucket's hook every rank issues the broadcasts bucket
-by bucket (a bucket's owners in rank order), after the same all-reduces. The hook runs on the thread
-that runs backward, so the order does not depend on when a collective completes: minidp allows gloo,
-which torch refuses for fear of a hang (pytorch#62300) that comes from its interleaved variant, whose
-step runs in the all-reduce future's callback on the communication thread.
+Ranks must meet in the same order: in the last bucket's hook every rank issues the broadcasts
+bucket by bucket (a bucket's owners in rank order), after the same all-reduces. The hook runs on the
+thread that runs backward, so the order does not depend on when a collective completes: minidp
+allows gloo, which torch refuses for fear of a hang (pytorch#62300) that comes from its interleaved
+variant, whose step runs in the all-reduce future's callback on the communication thread.
 
 hook_with_zero_step_interleaved steps earlier: in each hook call, every bucket whose all-reduce has
 finished (in bucket order), so the steps and broadcasts run while backward goes on; its broadcasts
@@ -27,37 +28,34 @@ have a process group of their own, since when a bucket is stepped differs from r
 """
 from __future__ import annotations
 
+import inspect
+import warnings
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ...engine.collectives import global_rank
-from . import flat_params
+from ...engine.ddp import DistributedDataParallel
+from . import flat_params, partition
+from .bucket_assignment import Assignment, assign_buckets, params_of
 
 STEP_LANE, BROADCAST_LANE = "ZeRO: step (own buckets)", "ZeRO: broadcasts"
-WAITING, RECORDING, READY = "waiting for DDP to rebuild its buckets", "recording the buckets", "ready"
+WAITING, RECORDING = "waiting for DDP to rebuild its buckets", "recording the buckets"
+READY = "ready"
 
 
-@dataclass
-class Assignment:
-    """Parameters of one DDP bucket that one rank steps (torch's _DDPBucketAssignment).
+class StepInBackward:
+    """overlap_with_ddp=True: the policy ZeroRedundancyOptimizer holds (`zero._stepping`), and what
+    the hook knows: the buckets, who steps what, and this step's futures.
 
-    offset: the index of params[0] in the bucket's parameters() (and gradients()).
-    flat: the params' data back to back (the params are views into it): what one broadcast sends.
+    Args:
+        optimizer_class: the local optimizer's class, built once the partition is made.
+        world_size: the number of ranks in zero's process group.
     """
-    bucket: int
-    params: list
-    offset: int
-    flat: torch.Tensor | None = None
 
-
-class Overlap:
-    """What the hook knows: the buckets, who steps what, and this step's futures (zero._overlap)."""
-
-    def __init__(self, world_size: int):
-        self.world_size = world_size
+    def __init__(self, optimizer_class, world_size: int):
+        self.optimizer_class, self.world_size = optimizer_class, world_size
         self.status = WAITING
         self.shard_buckets = False
         self.params_per_bucket: list[list[torch.Tensor]] = []
@@ -70,6 +68,26 @@ class Overlap:
         self.next_bucket = 0
         self.handles: list = []
 
+    # -- what ZeroRedundancyOptimizer asks its policy (optimizer.StepAfterBackward: plain ZeRO-1) --
+
+    def steps_in_step(self) -> bool:
+        """step() does not step: the hook stepped already, inside backward (torch's warning)."""
+        warnings.warn("`step()` should not be included in the training loop when "
+                      "`overlap_with_ddp=True`", stacklevel=3)
+        return False
+
+    def check_add_param_group(self) -> None:
+        raise RuntimeError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a "
+                           "single parameter group")
+
+    def check_ready(self) -> None:
+        """The checkpoint methods need the partition, which the third step makes."""
+        if self.status != READY:
+            raise RuntimeError("This method should not be called until this "
+                               "ZeroRedundancyOptimizer instance has been fully initialized")
+
+    # -- before READY: the partition --------------------------------------------------------------
+
     def watch_buckets(self, ddp, bucket, zero) -> None:
         """Before READY: wait for the rebuild, record each bucket, then build the partition."""
         if not ddp._has_rebuilt_buckets:  # DDP's buckets may still change
@@ -77,67 +95,111 @@ class Overlap:
         if self.status == WAITING:
             self.status = RECORDING
         if bucket.index() == 0 and self.params_per_bucket:  # a whole step recorded: buckets known
-            self.assignments = assign_buckets(self.params_per_bucket, self.world_size, self.shard_buckets)
-            self.owners = [sorted(r for r in range(self.world_size) if b in self.assignments[r])
-                           for b in range(len(self.params_per_bucket))]
-            for per_rank in self.assignments:  # every rank's: each rank receives every other's
-                for a in per_rank.values():
-                    a.flat = flat_params.flatten_into_buffer(a.params, a.params[0].device)
-            zero._init_for_overlap([params_of(per_rank) for per_rank in self.assignments])
+            self._assign()
+            self._build_local_optimizer(zero)
             self.status = READY
         else:
             self.params_per_bucket.append(bucket.parameters())
 
+    def _assign(self) -> None:
+        """Who steps what, and a flat tensor for every rank's part of a bucket: each rank receives
+        every other's."""
+        self.assignments = assign_buckets(self.params_per_bucket, self.world_size,
+                                          self.shard_buckets)
+        self.owners = [sorted(r for r in range(self.world_size) if b in self.assignments[r])
+                       for b in range(len(self.params_per_bucket))]
+        for per_rank in self.assignments:
+            for a in per_rank.values():
+                a.flat = flat_params.flatten_into_buffer(a.params, a.params[0].device)
+
+    def _build_local_optimizer(self, zero) -> None:
+        """zero's partition, by bucket, and its local optimizer over this rank's part."""
+        group = zero.param_groups[0]
+        known = set(group["params"])
+        params_per_rank = [params_of(per_rank) for per_rank in self.assignments]
+        if any(p not in known for params in params_per_rank for p in params):
+            raise ValueError("Passing a new parameter in `params_per_rank` that was not passed "
+                             "into the ZeroRedundancyOptimizer constructor")
+        defaults = dict(zero._optim_defaults)
+        if "foreach" in inspect.signature(self.optimizer_class).parameters:
+            defaults.setdefault("foreach", False)  # torch's functional optimizers' arithmetic
+        zero._shard([[dict(group, params=params)] for params in params_per_rank],
+                    self.optimizer_class, defaults)
+
+    # -- READY: every step --------------------------------------------------------------------
+
     def note(self, bucket, future) -> None:
-        """Keep the bucket and its future until the step; buckets must come 0, 1, 2, ... each step."""
+        """Keep the bucket and its future until the step; buckets come 0, 1, 2, ... each step."""
         index = bucket.index()
         if index != len(self.futures):
-            raise RuntimeError(f"hook_with_zero_step: bucket {index} came after {len(self.futures)} "
-                               "buckets this step; DDP's buckets must be launched in index order")
+            raise RuntimeError(f"hook_with_zero_step: bucket {index} came after "
+                               f"{len(self.futures)} buckets this step; DDP's buckets must be "
+                               "launched in index order")
         self.futures[index] = (bucket, future)
 
+    def step_and_broadcast(self, zero, timeline=None, wait_all: bool = True) -> None:
+        """Buckets in order from the first not yet done: wait for (or, unless `wait_all`, only take
+        if finished) its all-reduce, step this rank's part, broadcast every owner's part.
 
-def assign_buckets(params_per_bucket: list[list], world_size: int, shard_buckets: bool) -> list[dict]:
-    """Per rank, {bucket index: Assignment}, in the order torch assigns them.
+        Ranks meet here: the same broadcasts, in the same order, on every rank. With `wait_all` (the
+        last bucket's call) every bucket is done and every broadcast waited for before returning,
+        so the next forward reads updated weights.
+        """
+        group = self.broadcast_group or zero.process_group
+        while self.next_bucket < len(self.futures):
+            b = self.next_bucket
+            bucket, future = self.futures[b]
+            if not (wait_all or future.done()):
+                break  # later: in the next hook call, or the last
+            mine = self.assignments[zero.rank].get(b)
+            if mine is not None:
+                future.wait()  # the bucket's gradients are averaged from here on
+                record(timeline, "begin", STEP_LANE, f"step bucket {b}")
+                grads = bucket.gradients()[mine.offset:mine.offset + len(mine.params)]
+                self.step_params(zero, mine.params, grads)
+                record(timeline, "end", STEP_LANE, f"step bucket {b}")
+            self._broadcast(b, group, timeline)
+            self.next_bucket += 1
+        if wait_all:
+            for work in self.handles:
+                work.wait()
+            self.handles.clear()
+            self.futures.clear()
+            self.next_bucket = 0
 
-    shard_buckets=False: bucket i, whole, to rank i % world_size. True: buckets in increasing size
-    (a stable sort); each is cut, in parameter order, into pieces that stop before the parameter that
-    would reach total/world_size elements; each piece goes to the rank with the fewest elements so far
-    that has no piece of this bucket yet (the lowest such rank on a tie).
-    """
-    out: list[dict[int, Assignment]] = [{} for _ in range(world_size)]
-    if not shard_buckets:
-        for b, params in enumerate(params_per_bucket):
-            out[b % world_size][b] = Assignment(b, list(params), 0)
-        return out
-    threshold = sum(p.numel() for ps in params_per_bucket for p in ps) / world_size
-    loads = [0] * world_size
-    by_size = sorted(enumerate(params_per_bucket), key=lambda bp: sum(p.numel() for p in bp[1]))
-    for b, params in by_size:
-        start, size = 0, 0
-        pieces = []
-        for i, p in enumerate(params):
-            if size + p.numel() >= threshold and i > start:
-                pieces.append((start, i, size))
-                start, size = i, 0
-            size += p.numel()
-        pieces.append((start, len(params), size))
-        if len(pieces) > world_size:  # torch: AssertionError("All indices are disallowed")
-            raise RuntimeError(f"shard_buckets=True: bucket {b} would be cut into {len(pieces)} pieces for "
-                               f"{world_size} ranks (each piece stops below {threshold:g} elements, 1/N of the "
-                               "model); use shard_buckets=False or larger buckets")
-        taken: set[int] = set()
-        for first, end, piece_size in pieces:
-            rank = min((r for r in range(world_size) if r not in taken), key=lambda r: loads[r])
-            out[rank][b] = Assignment(b, list(params[first:end]), first)
-            taken.add(rank)
-            loads[rank] += piece_size
-    return out
+    def step_params(self, zero, params: list, grads: list) -> None:
+        """Step only `params`, with `grads` (views of DDP's bucket): the others' .grad is None
+        meanwhile.
 
+        An optimizer skips a parameter whose .grad is None (no state change): this is the step of a
+        torch functional optimizer given None for the other parameters. The .grads are restored.
+        """
+        if zero._trainable_mask() != zero._trainable:
+            raise RuntimeError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` does not "
+                               "support changing parameter trainability at run time")
+        local = partition.shard_params(zero._partition, zero.rank)
+        kept = [p.grad for p in local]
+        for p in local:
+            p.grad = None
+        for p, grad in zip(params, grads):
+            p.grad = grad
+        try:
+            zero._step_local_optimizer()
+        finally:
+            for p, grad in zip(local, kept):
+                p.grad = grad
 
-def params_of(per_rank: dict[int, Assignment]) -> list[torch.Tensor]:
-    """A rank's parameters, assignment after assignment: its local optimizer's order."""
-    return [p for a in per_rank.values() for p in a.params]
+    def _broadcast(self, b: int, group, timeline) -> None:
+        """Start the broadcasts of every owner's part of bucket `b` (waited for at the end)."""
+        for owner in self.owners[b]:  # ranks meet here: `owner` sends its part of bucket b
+            name = f"broadcast bucket {b} from rank {owner}"
+            record(timeline, "begin", BROADCAST_LANE, name)
+            work = dist.broadcast(self.assignments[owner][b].flat, src=global_rank(group, owner),
+                                  group=group, async_op=True)
+            self.handles.append(work)
+            if timeline is not None:
+                work.get_future().add_done_callback(
+                    lambda _, n=name: record(timeline, "end", BROADCAST_LANE, n))
 
 
 def hook_with_zero_step(hook, ddp, zero, shard_buckets: bool = False):
@@ -171,75 +233,41 @@ def hook_with_zero_step_interleaved(hook, ddp, zero, shard_buckets: bool = False
 
 def _zero_hook(hook, ddp, zero, shard_buckets: bool, interleaved: bool):
     if not getattr(zero, "_overlap_with_ddp", False):
-        raise ValueError("ZeroRedundancyOptimizer must be constructed with `overlap_with_ddp=True` to use "
-                         "this hook properly")
+        raise ValueError("ZeroRedundancyOptimizer must be constructed with `overlap_with_ddp=True` "
+                         "to use this hook properly")
     ddp_ref = weakref.ref(ddp)  # the hook is stored on ddp: no cycle that keeps it alive
-    overlap = zero._overlap
-    overlap.shard_buckets = bool(shard_buckets)
+    stepping = zero._stepping
+    stepping.shard_buckets = bool(shard_buckets)
     if interleaved:  # ranks meet here: the broadcasts' own group, over zero's ranks only
         ranks = dist.get_process_group_ranks(zero.process_group)
-        overlap.broadcast_group = dist.new_group(ranks, use_local_synchronization=True)
+        stepping.broadcast_group = dist.new_group(ranks, use_local_synchronization=True)
 
     def hook_with_zero_fn(state, bucket):
         future = hook(state, bucket)
-        if overlap.status != READY:
-            overlap.watch_buckets(ddp_ref(), bucket, zero)
-            if overlap.status != READY:
+        if stepping.status != READY:
+            stepping.watch_buckets(ddp_ref(), bucket, zero)
+            if stepping.status != READY:
                 return future
-        overlap.note(bucket, future)
-        last = bucket.index() == len(overlap.params_per_bucket) - 1
+        stepping.note(bucket, future)
+        last = bucket.index() == len(stepping.params_per_bucket) - 1
         if interleaved or last:
-            step_and_broadcast(zero, overlap, timeline_of(ddp_ref()), wait_all=last)
+            stepping.step_and_broadcast(zero, timeline_of(ddp_ref()), wait_all=last)
         return future
 
     return hook_with_zero_fn
 
 
-def step_and_broadcast(zero, overlap: Overlap, timeline=None, wait_all: bool = True) -> None:
-    """Buckets in order from the first not yet done: wait for (or, unless `wait_all`, only take if
-    finished) its all-reduce, step this rank's part, broadcast every owner's part.
-
-    Ranks meet here: the same broadcasts, in the same order, on every rank. With `wait_all` (the last
-    bucket's call) every bucket is done and every broadcast waited for before returning, so the next
-    forward reads updated weights.
-    """
-    rank = zero.rank
-    group = overlap.broadcast_group or zero.process_group
-    while overlap.next_bucket < len(overlap.futures):
-        b = overlap.next_bucket
-        bucket, future = overlap.futures[b]
-        if not (wait_all or future.done()):
-            break  # later: in the next hook call, or the last
-        mine = overlap.assignments[rank].get(b)
-        if mine is not None:
-            future.wait()  # the bucket's gradients are averaged from here on
-            record(timeline, "begin", STEP_LANE, f"step bucket {b}")
-            grads = bucket.gradients()[mine.offset:mine.offset + len(mine.params)]
-            zero._step_params(mine.params, grads)
-            record(timeline, "end", STEP_LANE, f"step bucket {b}")
-        for owner in overlap.owners[b]:  # ranks meet here: `owner` sends its part of bucket b
-            flat = overlap.assignments[owner][b].flat
-            name = f"broadcast bucket {b} from rank {owner}"
-            record(timeline, "begin", BROADCAST_LANE, name)
-            work = dist.broadcast(flat, src=global_rank(group, owner), group=group, async_op=True)
-            overlap.handles.append(work)
-            if timeline is not None:
-                work.get_future().add_done_callback(lambda _, n=name: record(timeline, "end", BROADCAST_LANE, n))
-        overlap.next_bucket += 1
-    if wait_all:
-        for work in overlap.handles:
-            work.wait()
-        overlap.handles.clear()
-        overlap.futures.clear()
-        overlap.next_bucket = 0
-
-
 def timeline_of(ddp):
     """minidp.DDP's timeline while model.enable_timeline() records, else None (torch DDP: None)."""
-    return getattr(getattr(getattr(ddp, "reducer", None), "recorder", None), "timeline", None)
+    if not isinstance(ddp, DistributedDataParallel):
+        return None
+    # the reducer's recorder: a ReducerRecorder over the timeline while one records; when off (or
+    # the watchdog's), it has no timeline
+    return getattr(ddp.reducer.recorder, "timeline", None)
 
 
 def record(timeline, kind: str, lane: str, name: str) -> None:
-    """A span's "begin" or "end" in a lane of the timeline (drawn by trace_events and plot_timelines)."""
+    """A span's "begin" or "end" in a lane of the timeline (drawn by trace_events and
+    plot_timelines)."""
     if timeline is not None:
         timeline.record(kind, lane=lane, name=name)
