@@ -18,7 +18,8 @@ def check_params(params: Any) -> list:
     an empty list, a group dict without "params", sparse parameters or parameters of mixed types.
     """
     if isinstance(params, torch.Tensor):
-        raise TypeError(f"`params` argument should be an iterable of Tensors, but got {torch.typename(params)}")
+        raise TypeError("`params` argument should be an iterable of Tensors, but got "
+                        f"{torch.typename(params)}")
     try:
         entries = list(params)
     except TypeError as e:
@@ -26,7 +27,8 @@ def check_params(params: Any) -> list:
                         f"{torch.typename(params)}") from e
     if not entries:
         raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
-    if not (all(isinstance(p, torch.Tensor) for p in entries) or all(isinstance(p, dict) for p in entries)):
+    tensors, dicts = (all(isinstance(p, kind) for p in entries) for kind in (torch.Tensor, dict))
+    if not (tensors or dicts):
         raise TypeError("`params` argument should be an iterable of Tensors or dicts")
     check_same_dense_type(all_params(entries))
     return entries
@@ -55,13 +57,13 @@ def check_same_dense_type(params: list) -> None:
         return
     first = torch.typename(params[0])
     if params[0].is_sparse:
-        raise ValueError(f"ZeroRedundancyOptimizer only supports using the same dense type for all parameters "
-                         f"but got {first}")
+        raise ValueError("ZeroRedundancyOptimizer only supports using the same dense type for all "
+                         f"parameters but got {first}")
     for p in params[1:]:
         other = torch.typename(p)
         if other != first:
-            raise ValueError("ZeroRedundancyOptimizer only supports using the same dense type for all "
-                             f"parameters but got both {first} and {other}")
+            raise ValueError("ZeroRedundancyOptimizer only supports using the same dense type "
+                             f"for all parameters but got both {first} and {other}")
 
 
 def check_optimizer_class(optimizer_class: Any, overlap_with_ddp: bool) -> Any:
@@ -76,19 +78,24 @@ def check_optimizer_class(optimizer_class: Any, overlap_with_ddp: bool) -> Any:
     """
     if getattr(optimizer_class, "__module__", "").startswith("torch.distributed.optim.functional_"):
         if not overlap_with_ddp:
-            raise ValueError(f"Passing in a functional optimizer {optimizer_class} when `overlap_with_ddp=False`")
+            raise ValueError(f"Passing in a functional optimizer {optimizer_class} when "
+                             "`overlap_with_ddp=False`")
         return getattr(torch.optim, optimizer_class.__name__.removeprefix("_Functional"))
     if not callable(optimizer_class):
-        raise TypeError(f"optimizer_class={optimizer_class!r} must be an optimizer class, e.g. torch.optim.SGD")
+        raise TypeError(f"optimizer_class={optimizer_class!r} must be an optimizer class, e.g. "
+                        "torch.optim.SGD")
     return optimizer_class
 
 
 def check_overlap(param_groups: list[dict], parameters_as_bucket_view: bool) -> None:
-    """overlap_with_ddp=True: one parameter group (torch's RuntimeError, raised here at construction
-    rather than in the third backward); parameters_as_bucket_view is ignored, with torch's warning."""
+    """overlap_with_ddp=True: one parameter group (torch's RuntimeError, raised here at
+    construction rather than in the third backward); parameters_as_bucket_view is ignored, with
+    torch's warning."""
     if len(param_groups) != 1:
-        raise RuntimeError(f"Specifying `params_per_rank` only supports a single parameter group (minidp: "
-                           f"overlap_with_ddp=True partitions DDP's buckets; got {len(param_groups)} parameter groups)")
+        raise RuntimeError("Specifying `params_per_rank` only supports a single parameter group "
+                           "(minidp: overlap_with_ddp=True partitions DDP's buckets; got "
+                           f"{len(param_groups)} parameter groups)")
     if parameters_as_bucket_view:
-        warnings.warn("`parameters_as_bucket_view=True` will be ignored since `overlap_with_ddp=True`; instead, a "
-                      "different bucketing strategy will be used", stacklevel=3)
+        warnings.warn("`parameters_as_bucket_view=True` will be ignored since "
+                      "`overlap_with_ddp=True`; instead, a different bucketing strategy will be "
+                      "used", stacklevel=3)

@@ -2,8 +2,9 @@
 
 Without it, the step ends with one broadcast per parameter. With it, every rank's trainable
 parameters on one device are views into one flat tensor (param.data points into it), so the step
-ends with one broadcast per rank and device: fewer, larger messages. The optimizer still updates each
-parameter in place, which writes straight into the buffer, so nothing is copied before sending.
+ends with one broadcast per rank and device: fewer, larger messages. The optimizer still updates
+each parameter in place, which writes straight into the buffer, so nothing is copied before
+sending.
 
 Frozen parameters (requires_grad=False) stay out of a buffer: the optimizer never changes them, so
 there is nothing to send. A rank with no trainable parameter on a device still gets a one-element
@@ -30,7 +31,7 @@ def params_by_device(partition: list[list[dict]]) -> dict[torch.device, list[lis
 
 
 def flatten_into_buffer(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One flat tensor holding the trainable `params` back to back; each one's data becomes its view.
+    """One flat tensor holding the trainable `params` back to back; each one's data becomes a view.
 
     A frozen parameter gets a copy of its data of its own: it may still be a view into an earlier
     buffer (trainability changed since), which it must not keep alive nor share.

@@ -19,7 +19,7 @@ import torch
 
 
 def min_index(values: list[int]) -> int:
-    """The index of the smallest value; the first such index on a tie (`values.index(min(values))`)."""
+    """The index of the smallest value; the first such on a tie (`values.index(min(values))`)."""
     best = 0
     for i, value in enumerate(values):
         if value < values[best]:

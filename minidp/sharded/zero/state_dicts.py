@@ -47,13 +47,14 @@ def _recv_object(src: int, group, device: torch.device) -> Any:
     dist.recv(size, src=src, group=group)  # ranks meet here: the sender's length
     payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.recv(payload, src=src, group=group)  # ranks meet here: the sender's pickled state
-    # weights_only=False: a local optimizer's state may hold any picklable value, and it comes from a
-    # rank of this same job, not from a file
-    return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location="cpu", weights_only=False)
+    # weights_only=False: a local optimizer's state may hold any picklable value, and it comes from
+    # a rank of this same job, not from a file
+    return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location="cpu",
+                      weights_only=False)
 
 
 def gather_on(obj: Any, to: int, group, device: torch.device) -> list:
-    """Every rank's `obj` on group rank `to`, in group-rank order, on the CPU; [] on the other ranks.
+    """Every rank's `obj` on group rank `to`, in group-rank order, on the CPU; [] on the others.
 
     Point to point: each other rank sends once, to `to` only (torch broadcasts each state to every
     rank instead, which costs world_size times the traffic on gloo). Call on every rank of `group`.
@@ -70,8 +71,10 @@ def gather_on(obj: Any, to: int, group, device: torch.device) -> list:
     if rank != to:
         _send_object(obj, global_rank(group, to), group, device)
         return []
-    # the receiver takes the senders in rank order; each sender sends once, so no one waits in a cycle
-    return [copy_to(obj, torch.device("cpu")) if r == rank else _recv_object(global_rank(group, r), group, device)
+    # the receiver takes the senders in rank order; each sender sends once, so no one waits in a
+    # cycle
+    return [copy_to(obj, torch.device("cpu")) if r == rank
+            else _recv_object(global_rank(group, r), group, device)
             for r in range(dist.get_world_size(group))]
 
 
@@ -90,13 +93,15 @@ def merge(base: dict, local_state_dicts: list[dict], partition: list[list[dict]]
     for rank, local in enumerate(local_state_dicts):
         shard_groups = partition[rank]
         if len(local["param_groups"]) != len(shard_groups):
-            raise RuntimeError(f"rank {rank}'s consolidated state has {len(local['param_groups'])} parameter "
-                               f"groups, the optimizer has {len(shard_groups)} now: call "
-                               "consolidate_state_dict() again after add_param_group()")
+            raise RuntimeError(f"rank {rank}'s consolidated state has "
+                               f"{len(local['param_groups'])} parameter groups, the optimizer "
+                               f"has {len(shard_groups)} now: call consolidate_state_dict() again "
+                               "after add_param_group()")
         for local_group, shard_group in zip(local["param_groups"], shard_groups):
             if len(local_group["params"]) != len(shard_group["params"]):
-                raise RuntimeError(f"rank {rank}'s consolidated state does not match its shard now: call "
-                                   "consolidate_state_dict() again after add_param_group()")
+                raise RuntimeError(f"rank {rank}'s consolidated state does not match its shard "
+                                   "now: call consolidate_state_dict() again after "
+                                   "add_param_group()")
             for local_index, param in zip(local_group["params"], shard_group["params"]):
                 if local_index in local["state"]:
                     base["state"][index[param]] = local["state"][local_index]
@@ -105,20 +110,22 @@ def merge(base: dict, local_state_dicts: list[dict], partition: list[list[dict]]
 
 
 def local_state(state: dict, param_groups: list[dict], owner: dict, rank: int) -> dict:
-    """{parameter: its state, on the parameter's device} for the global `state` entries `rank` steps.
+    """{parameter: its state, on the parameter's device} for the `state` entries `rank` steps.
 
     Zero-dimensional tensors (Adam's "step") go to the CPU, where the optimizers keep them unless
-    capturable. Raises IndexError naming the index if `state` numbers a parameter that does not exist.
+    capturable. Raises IndexError naming the index if `state` numbers a parameter that does not
+    exist.
     """
     params = list(chain.from_iterable(g["params"] for g in param_groups))
     loaded = {}
     for index, value in state.items():
         if not 0 <= index < len(params):
-            raise IndexError(f"state_dict['state'] has an entry for parameter {index}, the optimizer has "
-                             f"{len(params)} parameters")
+            raise IndexError(f"state_dict['state'] has an entry for parameter {index}, the "
+                             f"optimizer has {len(params)} parameters")
         param = params[index]
         if owner[param] != rank:
             continue  # another rank's shard: that rank loads it
         value = copy_to(value, param.device)
-        loaded[param] = {k: v.cpu() if torch.is_tensor(v) and v.dim() == 0 else v for k, v in value.items()}
+        loaded[param] = {k: v.cpu() if torch.is_tensor(v) and v.dim() == 0 else v
+                         for k, v in value.items()}
     return loaded
