@@ -189,7 +189,8 @@ def _train(engine, case, mesh, rank):
     optimizer_class, defaults = OPTIMIZERS[case.optim]
     opt = optimizer_class(net.parameters(), **defaults)
     out = {"layout": _layout(net), "kinds": [], "losses": []}
-    trace, patches = _tracing((lambda: state_of(net).step.reduces) if engine == "minidp" else None)
+    in_flight = (lambda: state_of(net).root.reduces.pending) if engine == "minidp" else None
+    trace, patches = _tracing(in_flight)
     timeline = net.enable_timeline() if engine == "minidp" else None
     for step, batches in enumerate(_grouped(rank_batches(STEPS * case.accumulate, rank,
                                                          targets=(4, 3)), case.accumulate)):

@@ -103,7 +103,8 @@ def gathered(model) -> tuple[list, list, list]:
                 params.append(p.full)
                 grads += [None if p.unsharded is None else p.unsharded.grad, p.accumulated]
             comm += [None if state.unit.gather is None else state.unit.gather.output]
-            comm += [t for r in state.unit.reduces for t in (r.scatter, r.mine)]
+        if state is not None and m is model and state.root is not None:  # minidp's, under its root
+            comm += [t for r in state.root.reduces.pending for t in (r.scatter, r.mine)]
         get_state = getattr(m, "_get_fsdp_state", None)
         if get_state is not None:  # torch's FSDP2: its internals
             for group in get_state()._fsdp_param_groups:

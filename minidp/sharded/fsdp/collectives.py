@@ -7,6 +7,8 @@ see the same buffers and sum every element in the same order (bitwise equal resu
   rows, rank by rank: copied out into each parameter's gathered storage.
 - reduce-scatter: the input is that same matrix built from the full gradients (row r: what rank r
   keeps, each gradient zero-padded to world * its padded shard); the output is this rank's row.
+The reduce-scatters started in one backward and not yet finished are a ReducesInFlight, which the
+units under one root share.
 """
 from __future__ import annotations
 
@@ -145,3 +147,21 @@ class ReduceScatter:
         mine = mine.to(self.params[0].padded.dtype)
         for p, rows in zip(self.params, mine.split(self.sizes)):
             p.add_grad(rows[:p.local_numel])
+
+
+class ReducesInFlight:
+    """The reduce-scatters started and not yet waited for, shared by the units of one root: at most
+    one, as FSDP2 by default (its reduce_scatter_state), since each holds a buffer the size of its
+    unit's gradients. A unit waits for the previous one before it starts its own."""
+
+    def __init__(self):
+        self.pending: list[ReduceScatter] = []
+
+    def add(self, reduce: ReduceScatter) -> None:
+        """A reduce-scatter just started (async): wait() finishes it."""
+        self.pending.append(reduce)
+
+    def wait(self) -> None:
+        """Finish every reduce-scatter in flight: their parameters' .grad are set, buffers freed."""
+        while self.pending:
+            self.pending.pop(0).wait()

@@ -3,10 +3,12 @@
 Each fully_shard call gives its module a ModuleState (FSDP2's FSDPState) and two forward hooks:
 the pre-hook runs the unit's pre_forward (gather), the post-hook its post_forward (free) and puts a
 gradient hook on the outputs that is the unit's pre_backward (gather again). The first module whose
-forward runs is the root: it finds the states below it and shares one Step with them. At the first
-pre_backward of a backward, the Step queues a callback at the end of the autograd run (the
-engine's queue_callback, as minidp.DDP's reducer does), where units whose inputs needed no gradient
-(the first block, fed with data; the root) run their post_backward, and every state goes IDLE.
+forward runs is the root: it finds the states below it and shares one Root with them, which holds
+what they share: the order of this step's forwards (prefetch.ForwardOrder: backward's prefetch
+targets) and the reduce-scatters in flight (collectives.ReducesInFlight). At the first pre_backward
+of a backward, the Root queues a callback at the end of the autograd run (the engine's
+queue_callback, as minidp.DDP's reducer does), where units whose inputs needed no gradient (the
+first block, fed with data; the root) run their post_backward, and every state goes IDLE.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from minidp.runtime import watchdog
 
+from .collectives import ReducesInFlight
+from .prefetch import ForwardOrder
 from .unit import Phase, Unit
 
 STATE_ATTRIBUTE = "_minidp_fully_shard"  # where a module keeps its ModuleState
@@ -35,38 +39,56 @@ def cast_floats(tree, dtype: torch.dtype | None):
                     and x.dtype != dtype else x, tree)
 
 
-class Step:
-    """What a root shares with the states below it: who they are, and this step's progress."""
+class Root:
+    """What a root shares with the states below it (FSDP2's FSDPStateContext and FSDPCommContext):
+    who they are, this step's forward order and reduce-scatters in flight, and its progress.
+
+    Args:
+        states: the root's ModuleState first, then the others in named_modules() order.
+    """
 
     def __init__(self, states: list):
-        self.states = states  # the root first, then the others in named_modules() order
+        self.states = states
+        self.units: list[Unit] = [state.unit for state in states if state.unit is not None]
+        self.forward_order = ForwardOrder()  # backward's prefetch targets
+        self.reduces = ReducesInFlight()  # every unit's reduce-scatter joins it
         self.forward_root: ModuleState | None = None  # the outermost forward now running
-        self.forward_order: list[Unit] = []  # units by the end of their forward, this step
-        self.callback_queued = False
-        self.reduces: list = []  # the reduce-scatters in flight, shared by every unit
         self.iteration = 0  # forwards of the root so far: what the watchdog says a rank is at
-        for state in states:
-            if state.unit is not None:
-                state.unit.reduces = self.reduces
+        self.end_queued = False  # end_backward waits at the end of this backward's autograd run
+
+    def start_forward(self, state: ModuleState) -> None:
+        """A state's forward begins: the outermost one (the root's) counts an iteration."""
+        if self.forward_root is None:
+            self.forward_root = state
+            self.iteration += 1
+            self.record("forward")
+
+    def end_forward(self, state: ModuleState) -> None:
+        if self.forward_root is state:
+            self.forward_root = None
+
+    def start_backward(self) -> None:
+        """At the first pre_backward of a backward: queue end_backward at the end of autograd's
+        run (once)."""
+        if not self.end_queued:
+            self.end_queued = True
+            Variable._execution_engine.queue_callback(self.end_backward)
+            self.record("backward")
 
     def end_backward(self) -> None:
         """At the end of autograd's run: post_backward where autograd did not call it, wait for
         every reduce-scatter (the DTensors' gradients are set then), reset."""
-        units = [state.unit for state in self.states if state.unit is not None]
-        for unit in units:
+        for unit in self.units:
             if unit.phase != Phase.POST_BACKWARD:
-                unit.post_backward()  # ranks meet here (its reduce-scatter)
-        while self.reduces:
-            self.reduces.pop(0).wait()
+                unit.post_backward(self.reduces)  # ranks meet here (its reduce-scatter)
+        self.reduces.wait()
         self.record("after backward")
-        for unit in units:
+        for unit in self.units:
             unit.phase = Phase.IDLE
-            unit.forward_indices.clear()
         for state in self.states:
             state.phase = Phase.IDLE
         self.forward_order.clear()
-        self.callback_queued = False
-
+        self.end_queued = False
 
     def record(self, phase: str) -> None:
         """Tell minidp's watchdog (if minidp.init started one) where this rank is: a failed
@@ -96,7 +118,7 @@ class ModuleState:
         self.forward_prefetch: list[Unit] = []  # set_modules_to_forward_prefetch
         self.backward_prefetch: list[Unit] | None = None  # set_modules_to_backward_prefetch
         self.is_root: bool | None = None  # decided at the first forward
-        self.step: Step | None = None
+        self.root: Root | None = None  # what the states under one root share, from then on
         self.phase = Phase.IDLE
         for module in modules:
             module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
@@ -121,9 +143,9 @@ class ModuleState:
                                        "root module first")
                 state.is_root = False
             states.append(state)
-        step = Step(states)
+        root = Root(states)
         for state in states:
-            state.step = step
+            state.root = root
             if state.unit is not None:  # parameters replaced since fully_shard (FSDP2 does this)
                 state.unit.reset()
         if self.auto_reshard and self.unit is not None:
@@ -141,12 +163,9 @@ class ModuleState:
             self.to_run = set(self.modules)
         self.phase = Phase.FORWARD
         self._lazy_init()
-        if self.step.forward_root is None:
-            self.step.forward_root = self
-            self.step.iteration += 1
-            self.step.record("forward")
-        if self.unit is not None:
-            args, kwargs = self.unit.pre_forward(args, kwargs)  # ranks meet here (all-gather)
+        self.root.start_forward(self)
+        if self.unit is not None:  # ranks meet here (all-gather)
+            args, kwargs = self.unit.pre_forward(args, kwargs, self.root.reduces)
         for unit in self.forward_prefetch:
             unit.unshard(async_op=True)  # ranks meet here (started)
         return args, kwargs
@@ -161,24 +180,19 @@ class ModuleState:
             self.unit.post_forward()
         if torch.is_grad_enabled():  # a backward will follow: record the order, hook the outputs
             if self.unit is not None:
-                self.unit.forward_indices.append(len(self.step.forward_order))
-                self.step.forward_order.append(self.unit)
+                self.root.forward_order.record(self.unit)
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self.pre_backward)
         self.phase = Phase.IDLE
-        if self.step.forward_root is self:
-            self.step.forward_root = None
+        self.root.end_forward(self)
         return cast_floats(output, self.output_dtype)
 
     def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         """Gradient hook on the outputs: the unit's backward is about to run."""
         self.phase = Phase.PRE_BACKWARD
-        if not self.step.callback_queued:
-            self.step.callback_queued = True
-            Variable._execution_engine.queue_callback(self.step.end_backward)
-            self.step.record("backward")
+        self.root.start_backward()
         if self.unit is not None:
             # ranks meet here (all-gathers)
-            self.unit.pre_backward(self.step.forward_order, self.backward_prefetch)
+            self.unit.pre_backward(self.root.forward_order, self.backward_prefetch)
         return grad

@@ -6,10 +6,11 @@ The life of a unit in one training step (FSDP2's FSDPParamGroup):
                  of those inputs are computed, i.e. when the unit's own backward is done
   post_forward   reshard_after_forward=True: put the shards back, free the gathered memory (ZeRO-3);
                  False: keep them gathered for backward (ZeRO-2, SHARD_GRAD_OP)
-  pre_backward   gather again if they were freed (hooked on the unit's outputs)
-  post_backward  take the full gradients, reshard, start the reduce-scatter (one collective); at
-                 the end of backward each rank keeps the averaged gradient of its rows as the
-                 DTensor parameter's .grad
+  pre_backward   gather again if they were freed (hooked on the unit's outputs), and start the
+                 gather of the unit backward reaches next (prefetch.ForwardOrder says which)
+  post_backward  take the full gradients, reshard, start the reduce-scatter (one collective, among
+                 the root's collectives.ReducesInFlight); at the end of backward each rank keeps
+                 the averaged gradient of its rows as the DTensor parameter's .grad
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from enum import Enum, auto
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .collectives import Gather, ReduceScatter
+from .collectives import Gather, ReduceScatter, ReducesInFlight
+from .prefetch import ForwardOrder
 from .sharded_param import ShardedParam
 
 GATHER_LANE, REDUCE_LANE = "fully_shard all-gather", "fully_shard reduce-scatter"  # timeline lanes
@@ -60,10 +62,6 @@ class Unit:
         self.phase = Phase.IDLE
         self.is_unsharded = False
         self.gather: Gather | None = None  # an all-gather started early (prefetch), not waited yet
-        # reduce-scatters in flight, shared by the units of one root (its Step sets it): at most
-        # one, as FSDP2 by default, since each holds a buffer the size of its unit's gradients
-        self.reduces: list[ReduceScatter] = []
-        self.forward_indices: list[int] = []  # where this unit sits in the step's forward order
         self.timeline = None  # a minidp Timeline while the root's enable_timeline() records
         self.name = ""  # the module's name under the root, in the timeline
         # a state dict is saved from, and loaded into, the shards (FSDP2's to_sharded_hook): the
@@ -108,32 +106,34 @@ class Unit:
             p.to_sharded()
         self.is_unsharded = False
 
-    def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def pre_forward(self, args: tuple, kwargs: dict,
+                    reduces: ReducesInFlight) -> tuple[tuple, dict]:
+        """Gather, and arm post_backward on the inputs (its reduce-scatter joins `reduces`)."""
         self.phase = Phase.FORWARD
         self.unshard()
-        return self._hook_inputs(args, kwargs)
+        return self._hook_inputs(args, kwargs, reduces)
 
     def post_forward(self) -> None:
         if self.reshard_after_forward:
             self.reshard()
         self.phase = Phase.IDLE
 
-    def pre_backward(self, forward_order: list, prefetch: list | None = None) -> None:
+    def pre_backward(self, forward_order: ForwardOrder, prefetch: list | None = None) -> None:
         """Gather (or finish the prefetch), then start the gathers of the units in `prefetch`
         (default None: the unit whose forward ran just before this one's, whose backward comes
-        next; FSDP2's default backward prefetch)."""
+        next, from `forward_order`; FSDP2's default backward prefetch)."""
         if self.phase == Phase.PRE_BACKWARD:
             return  # one of several outputs already did it
         self.phase = Phase.PRE_BACKWARD
         self.unshard()
         if prefetch is None:
-            index = self.forward_indices.pop() if self.forward_indices else 0
-            prefetch = [forward_order[index - 1]] if index > 0 else []
+            prefetch = forward_order.pop_previous(self)
         for unit in prefetch:
             unit.unshard(async_op=True)  # ranks meet here (started)
 
-    def post_backward(self) -> None:
-        """Reshard and reduce-scatter the gradients; idempotent within one backward."""
+    def post_backward(self, reduces: ReducesInFlight) -> None:
+        """Reshard and reduce-scatter the gradients (the collective joins `reduces`, the root's
+        reduce-scatters in flight); idempotent within one backward."""
         self.phase = Phase.POST_BACKWARD
         if not self.requires_gradient_sync:  # accumulate: full grads stay on the gathered params
             for p in self.params:
@@ -150,11 +150,10 @@ class Unit:
         if self.reshard_after_backward:
             self.reshard()
         if grads:
-            while self.reduces:  # the previous unit's: its .grad are set now, its buffer freed
-                self.reduces.pop(0).wait()
+            reduces.wait()  # the previous unit's: its .grad are set now, its buffer freed
             # ranks meet here; autograd goes on with the rest of backward while it runs
-            self.reduces.append(ReduceScatter(with_grad, grads, self.group, self.world,
-                                              async_op=True, on_done=self._span(REDUCE_LANE)))
+            reduces.add(ReduceScatter(with_grad, grads, self.group, self.world, async_op=True,
+                                      on_done=self._span(REDUCE_LANE)))
 
     def _span(self, lane: str):
         """While a timeline records: record a collective's "begin" now, and return what records
@@ -166,7 +165,8 @@ class Unit:
         timeline.record("begin", lane=lane, name=name)
         return lambda: timeline.record("end", lane=lane, name=name)
 
-    def _hook_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _hook_inputs(self, args: tuple, kwargs: dict,
+                     reduces: ReducesInFlight) -> tuple[tuple, dict]:
         """Pass the inputs that require grad through PostBackward (its backward: post_backward)."""
         if not torch.is_grad_enabled():
             return args, kwargs
@@ -174,7 +174,7 @@ class Unit:
         index = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not index:  # e.g. the first unit: its inputs are data; the root's final callback runs it
             return args, kwargs
-        outs = PostBackward.apply(self, *[leaves[i] for i in index])
+        outs = PostBackward.apply(self, reduces, *[leaves[i] for i in index])
         for i, out in zip(index, outs):
             leaves[i] = out
         return tree_unflatten(leaves, spec)
@@ -184,11 +184,11 @@ class PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs when all the unit's gradients are computed."""
 
     @staticmethod
-    def forward(ctx, unit: Unit, *inputs: torch.Tensor):
-        ctx.unit = unit
+    def forward(ctx, unit: Unit, reduces: ReducesInFlight, *inputs: torch.Tensor):
+        ctx.unit, ctx.reduces = unit, reduces
         return inputs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        ctx.unit.post_backward()
-        return (None,) + grads
+        ctx.unit.post_backward(ctx.reduces)
+        return (None, None) + grads
