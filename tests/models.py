@@ -1,4 +1,5 @@
-"""Small models for the engine tests; each builder is seeded, so every call gives the same weights."""
+"""Small models for the engine tests; each builder is seeded, so every call gives the same
+weights."""
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -27,7 +28,8 @@ class CNNWithBatchNorm(nn.Module):
 
 
 class UnusedBranch(nn.Module):
-    """`rare` takes part only when asked; `never` never does (its grad must stay None, as in DDP)."""
+    """`rare` takes part only when asked; `never` never does (its grad must stay None, as in
+    DDP)."""
 
     def __init__(self):
         super().__init__()
@@ -45,7 +47,8 @@ class Tied(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.inp, self.mid, self.out = nn.Linear(8, 8, bias=False), nn.Linear(8, 8), nn.Linear(8, 8, bias=False)
+        self.inp, self.mid = nn.Linear(8, 8, bias=False), nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8, bias=False)
         self.out.weight = self.inp.weight
 
     def forward(self, x):
@@ -53,6 +56,9 @@ class Tied(nn.Module):
 
 
 class MixedDtype(nn.Module):
+    """A float32 layer, then a float64 one: two bucket groups (by dtype), two dtypes in DDP's
+    logging data."""
+
     def __init__(self):
         super().__init__()
         self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4).double()
@@ -62,11 +68,14 @@ class MixedDtype(nn.Module):
 
 
 class WithUnused(nn.Module):
-    """a -> b -> (+ extra) -> c -> head, and a layer `unused` that no forward uses (static_graph's cases).
+    """a -> b -> (+ extra) -> c -> head, and a layer `unused` that no forward uses (static_graph's
+    cases).
 
     Args:
-        twice: b runs twice, under reentrant checkpointing (its gradient hooks fire twice). Default False.
-        skip_on_rank: that rank leaves `extra` out (an unused set that differs by rank, fixed in time).
+        twice: b runs twice, under reentrant checkpointing (its gradient hooks fire twice).
+            Default False.
+        skip_on_rank: that rank leaves `extra` out (an unused set that differs by rank, fixed in
+            time).
             Default None: every rank uses it.
     """
 
@@ -79,7 +88,8 @@ class WithUnused(nn.Module):
     def forward(self, x):
         h = torch.tanh(self.a(x))
         if self.twice:
-            h = checkpoint(self.b, h, use_reentrant=True) + checkpoint(self.b, h, use_reentrant=True)
+            h = (checkpoint(self.b, h, use_reentrant=True)
+                 + checkpoint(self.b, h, use_reentrant=True))
         else:
             h = self.b(h)
         if self.skip_on_rank is None or self.skip_on_rank != dist.get_rank():
@@ -87,10 +97,11 @@ class WithUnused(nn.Module):
         return self.head(torch.relu(self.c(h)))
 
 
-# "wide": a 288x288 layer, 82,944 weights: above the engine's small-gradient size (layout.SMALL_GRAD_NUMEL),
-# so its gradient goes into the bucket when ready, the others at the launch.
-BUILDERS = {"mlp": MLP, "cnn_bn": CNNWithBatchNorm, "unused": UnusedBranch, "tied": Tied, "mixed": MixedDtype,
-            "wide": lambda: MLP(width=288)}
+# "wide": a 288x288 layer, 82,944 weights: above the engine's small-gradient size
+# (layout.SMALL_GRAD_NUMEL), so its gradient goes into the bucket when ready, the others at the
+# launch.
+BUILDERS = {"mlp": MLP, "cnn_bn": CNNWithBatchNorm, "unused": UnusedBranch, "tied": Tied,
+            "mixed": MixedDtype, "wide": lambda: MLP(width=288)}
 
 
 def build(name: str, seed: int = 0) -> nn.Module:

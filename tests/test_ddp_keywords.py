@@ -1,4 +1,5 @@
-"""torch DDP's later keywords, each bitwise against torch DDP: one launch per world size for all cases.
+"""torch DDP's later keywords, each bitwise against torch DDP: one launch per world size for all
+cases.
 
 Each case trains the same model under minidp.DDP and torch DDP with the same keywords and compares
 what torch shows of its buckets (`_get_ddp_logging_data()`: the bucket sizes, the rebuilt layout),
@@ -19,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import minidp
 from harness import error_of, run_ranks
+from models import MixedDtype
 from training import bitwise_equal, rank_batches, snapshot, train
 
 STEPS = 6
@@ -40,21 +42,28 @@ class Stack(nn.Module):
 
 
 def _torch_layout(model) -> dict:
-    """What torch DDP reports of its buckets: sizes in bytes and, once rebuilt, parameter indices."""
+    """What torch DDP reports of its buckets: sizes in bytes and, once rebuilt, parameter
+    indices."""
     data = model._get_ddp_logging_data()
-    return {"sizes": data.get("bucket_sizes"), "rebuilt": data.get("rebuilt_per_bucket_param_indices"),
+    return {"sizes": data.get("bucket_sizes"),
+            "rebuilt": data.get("rebuilt_per_bucket_param_indices"),
             "rebuilt_sizes": data.get("rebuilt_bucket_sizes")}
 
 
 def _minidp_layout(model, initial) -> dict:
-    """minidp's buckets in torch's report format (torch reports the initial sizes, then the rebuilt)."""
+    """minidp's buckets in torch's report format (torch reports the initial sizes, then the
+    rebuilt)."""
     sizes = {n: p.numel() * p.element_size() for n, p in model.module.named_parameters()}
-    index = {n: i for i, n in enumerate(model.reducer.names)}  # the reducer's: as torch's, less ignored
+    # the reducer's numbering: as torch's, less the ignored parameters
+    index = {n: i for i, n in enumerate(model.reducer.names)}
     plan = model.bucket_plan()
-    rebuilt = plan != initial
+    if plan == initial:
+        rebuilt = rebuilt_sizes = None
+    else:
+        rebuilt = ", ".join(" ".join(str(index[n]) for n in b) for b in plan)
+        rebuilt_sizes = ", ".join(str(sum(sizes[n] for n in b)) for b in plan)
     return {"sizes": ", ".join(str(sum(sizes[n] for n in b)) for b in initial),
-            "rebuilt": ", ".join(" ".join(str(index[n]) for n in b) for b in plan) if rebuilt else None,
-            "rebuilt_sizes": ", ".join(str(sum(sizes[n] for n in b)) for b in plan) if rebuilt else None}
+            "rebuilt": rebuilt, "rebuilt_sizes": rebuilt_sizes}
 
 
 def _run(engine, build, kwargs, steps=STEPS, accumulate=1):
@@ -75,9 +84,11 @@ def _run(engine, build, kwargs, steps=STEPS, accumulate=1):
         train(model, opt, rank_batches(steps * accumulate, dist.get_rank(), targets=(4, 4)),
               per_step=record, accumulate=accumulate)
     allreduces = sum(event.name == "c10d::allreduce_" for event in prof.events())
-    # torch's report of the rebuilt buckets is updated by the forward after the rebuild: read at the end
+    # torch's report of the rebuilt buckets is updated by the forward after the rebuild: read at
+    # the end
     layout = _minidp_layout(model, initial) if initial is not None else _torch_layout(model)
-    return {"layout": layout, "nones": seen, "params": snapshot(model.module), "allreduces": allreduces}
+    return {"layout": layout, "nones": seen, "params": snapshot(model.module),
+            "allreduces": allreduces}
 
 
 CASES = {
@@ -87,15 +98,18 @@ CASES = {
                         dict(bucket_cap_mb_list=[0.001, 0.01], find_unused_parameters=True)),
     "cap_list_static": (Stack, dict(bucket_cap_mb_list=[0.02, 0.005], static_graph=True)),
     # `e` unused on every rank; 0.0005 MiB puts e.weight with d.bias, e.bias in a bucket of its own
-    "skip_unused": (lambda: Stack(skip=True), dict(bucket_cap_mb=0.0005, find_unused_parameters=True,
-                                                   skip_all_reduce_unused_params=True)),
-    "no_skip_unused": (lambda: Stack(skip=True), dict(bucket_cap_mb=0.0005, find_unused_parameters=True)),
+    "skip_unused": (lambda: Stack(skip=True),
+                    dict(bucket_cap_mb=0.0005, find_unused_parameters=True,
+                         skip_all_reduce_unused_params=True)),
+    "no_skip_unused": (lambda: Stack(skip=True),
+                       dict(bucket_cap_mb=0.0005, find_unused_parameters=True)),
     "skip_used": (Stack, dict(skip_all_reduce_unused_params=True)),  # nothing unused: no change
     # c's parameters averaged apart, when a.weight's gradient (the last computed) is
     "delayed": (Stack, lambda m: dict(delay_all_reduce_named_params=list(m.c.named_parameters("c")),
                                       param_to_hook_all_reduce=m.a.weight, bucket_cap_mb=0.01)),
     "delayed_no_sync": (Stack, lambda m: dict(delay_all_reduce_named_params=[("b.bias", m.b.bias)],
-                                              param_to_hook_all_reduce=m.a.weight), {"accumulate": 2}),
+                                              param_to_hook_all_reduce=m.a.weight),
+                        {"accumulate": 2}),
 }
 
 
@@ -117,17 +131,6 @@ _ALL_REDUCE = dist.all_reduce
 def _torch_run(*args, **kwargs):
     with mock.patch.object(dist, "all_reduce", _waited_all_reduce):
         return _run(TorchDDP, *args, **kwargs)
-
-
-class TwoDtypes(nn.Module):
-    """A float32 layer, then a float64 one: two bucket groups, two dtypes in the logging data."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4).double()
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x)).double()).float()
 
 
 class Scaled(Stack):
@@ -156,18 +159,23 @@ MIXED = {  # name -> (param_dtype, reduce_dtype, buffer_dtype, micro-batches a s
 
 
 def _mixed(dtypes, device="cpu"):
-    """minidp.DDP(mixed_precision=...) for STEPS steps: final weights, dtypes of weights, grads, buffer."""
+    """minidp.DDP(mixed_precision=...) for STEPS steps: final weights, dtypes of weights, grads,
+    buffer."""
     from torch.nn.parallel.distributed import _MixedPrecision
 
     *config, accumulate = dtypes
     torch.manual_seed(0)
-    model = minidp.DDP(Scaled().to(device), mixed_precision=_MixedPrecision(*config), bucket_cap_mb=0.01)
+    model = minidp.DDP(Scaled().to(device), mixed_precision=_MixedPrecision(*config),
+                       bucket_cap_mb=0.01)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     dtypes_seen = []
-    batches = [tuple(t.to(device) for t in b) for b in rank_batches(STEPS * accumulate, dist.get_rank())]
-    train(model, opt, batches, loss_fn=_float_loss, accumulate=accumulate, per_step=lambda step: dtypes_seen.append(
-        {(p.dtype, p.grad.dtype) for p in model.parameters()}))
-    return {"params": snapshot(model.module), "dtypes": dtypes_seen, "buffer": model.module.scale.dtype}
+    batches = [tuple(t.to(device) for t in b)
+               for b in rank_batches(STEPS * accumulate, dist.get_rank())]
+    train(model, opt, batches, loss_fn=_float_loss, accumulate=accumulate,
+          per_step=lambda step: dtypes_seen.append(
+              {(p.dtype, p.grad.dtype) for p in model.parameters()}))
+    return {"params": snapshot(model.module), "dtypes": dtypes_seen,
+            "buffer": model.module.scale.dtype}
 
 
 def _mixed_reference(dtypes):
@@ -184,8 +192,10 @@ def _mixed_reference(dtypes):
     for step in range(STEPS):
         summed = None
         for x, y in batches[step * accumulate:(step + 1) * accumulate]:
-            low = {n: p.detach().to(param_dtype).requires_grad_() for n, p in module.named_parameters()}
-            out = torch.func.functional_call(module, {**low, "scale": module.scale}, (x.to(param_dtype),))
+            low = {n: p.detach().to(param_dtype).requires_grad_()
+                   for n, p in module.named_parameters()}
+            out = torch.func.functional_call(module, {**low, "scale": module.scale},
+                                             (x.to(param_dtype),))
             grads = torch.autograd.grad((out.float() - y).pow(2).mean(), list(low.values()))
             summed = list(grads) if summed is None else [a + g for a, g in zip(summed, grads)]
         for p, g in zip(module.parameters(), summed):
@@ -204,7 +214,7 @@ LOGGED = {  # name -> (model, DDP keywords, sample rate or None, comm hook or No
                                             skip_all_reduce_unused_params=True), None, None),
     "cap_list_rate3": (Stack, dict(bucket_cap_mb_list=[0.001, 0.002]), 3, None),
     # no rebuild: torch orders the leftover buckets of several dtypes by hash, minidp by first seen
-    "two_dtypes": (TwoDtypes, dict(find_unused_parameters=True), None, None),
+    "two_dtypes": (MixedDtype, dict(find_unused_parameters=True), None, None),
     "hooked": (Stack, dict(bucket_cap_mb=0.01), None, "allreduce"),
     "builtin_hook": (Stack, {}, None, dist.BuiltinCommHookType.ALLREDUCE),
 }
@@ -237,7 +247,8 @@ def _worker():
               for name, case in LOGGED.items()}
     results = {name: {"minidp": _run(minidp.DDP, build, kwargs, **train_args),
                       "torch": _torch_run(build, kwargs, **train_args)}
-               for name, (build, kwargs, *more) in CASES.items() for train_args in [more[0] if more else {}]}
+               for name, (build, kwargs, *more) in CASES.items()
+               for train_args in [more[0] if more else {}]}
     module = Stack()
     delayed = minidp.DDP(module, delay_all_reduce_named_params=[("b.bias", module.b.bias)],
                          param_to_hook_all_reduce=module.a.weight)
@@ -248,7 +259,8 @@ def _worker():
 
     mixed = minidp.DDP(Stack(), mixed_precision=_MixedPrecision(torch.bfloat16, torch.float32))
     results["pickle_mixed"] = error_of(pickle.dumps, mixed)
-    mixed.register_comm_hook(None, default_hooks.allreduce_hook)  # torch raises here: it has its own
+    # torch raises here: it has its own
+    mixed.register_comm_hook(None, default_hooks.allreduce_hook)
     results["hook_mixed"] = error_of(mixed, torch.randn(4, 8))
     results["mixed"] = {name: {"minidp": _mixed(dtypes), "reference": _mixed_reference(dtypes)}
                         for name, dtypes in MIXED.items()}
@@ -260,8 +272,10 @@ def results(request):
     return run_ranks(_worker, request.param, timeout=240)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.startswith(("cap_list", "delayed"))] + ["no_skip_unused"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_buckets_and_weights_are_torch_ddps(results, case):
+    """Layout, None grads, weights and all-reduce count as torch DDP's; with
+    skip_all_reduce_unused_params the skipped bucket's all-reduce is not issued."""
     for rank_results in results:
         got, want = rank_results[case]["minidp"], rank_results[case]["torch"]
         assert got["layout"] == want["layout"]
@@ -269,34 +283,29 @@ def test_buckets_and_weights_are_torch_ddps(results, case):
         assert bitwise_equal(got["params"], want["params"])
         assert got["allreduces"] == want["allreduces"]
 
-
-@pytest.mark.parametrize("case", ["skip_unused", "skip_used"])
-def test_skip_all_reduce_unused_params_skips_torch_ddps_buckets(results, case):
-    for rank_results in results:
-        got, want = rank_results[case]["minidp"], rank_results[case]["torch"]
-        assert got["layout"] == want["layout"]
-        assert got["nones"] == want["nones"]
-        assert bitwise_equal(got["params"], want["params"])
-        assert got["allreduces"] == want["allreduces"]  # the skipped bucket's all-reduce is not issued
-
     if case == "skip_unused":  # one all-reduce fewer a step than without the keyword
         plain = results[0]["no_skip_unused"]
         assert plain["minidp"]["allreduces"] == plain["torch"]["allreduces"]
         assert results[0][case]["minidp"]["allreduces"] == plain["minidp"]["allreduces"] - STEPS
 
 
+_MIXED_PRECISION = torch.nn.parallel.distributed._MixedPrecision
+
+
 @pytest.mark.parametrize("kwargs, error", [
     (dict(bucket_cap_mb_list="25"), TypeError), (dict(bucket_cap_mb_list=[1, -1]), ValueError),
-    (dict(bucket_cap_mb_list=[float("inf")]), ValueError), (dict(bucket_cap_mb_list=[True]), TypeError),
+    (dict(bucket_cap_mb_list=[float("inf")]), ValueError),
+    (dict(bucket_cap_mb_list=[True]), TypeError),
     (dict(bucket_cap_mb_list=[1], bucket_cap_mb="auto"), ValueError),
     (dict(skip_all_reduce_unused_params="yes"), TypeError),
     (dict(mixed_precision="bf16"), TypeError),
-    (dict(mixed_precision=torch.nn.parallel.distributed._MixedPrecision(torch.bfloat16)), ValueError),
-    (dict(mixed_precision=torch.nn.parallel.distributed._MixedPrecision(torch.int8, torch.float32)), TypeError),
+    (dict(mixed_precision=_MIXED_PRECISION(torch.bfloat16)), ValueError),
+    (dict(mixed_precision=_MIXED_PRECISION(torch.int8, torch.float32)), TypeError),
     (dict(skip_all_reduce_unused_params=True, static_graph=True), ValueError)])
 def test_bad_keyword_values_are_refused_before_any_collective(kwargs, error):
     with pytest.raises(error, match=next(iter(kwargs))):
-        minidp.DDP(nn.Linear(2, 2), **kwargs)  # no process group here: it raises before one is needed
+        # no process group here: it raises before one is needed
+        minidp.DDP(nn.Linear(2, 2), **kwargs)
 
 
 def _delay_errors(model):
@@ -320,11 +329,13 @@ def _delay_errors(model):
     return errors
 
 
-# What minidp reports of torch's logging data (the rest is torch's timings and process-group settings)
-REPORTED = {"backend_name", "module_name", "device_ids", "dtypes", "bucket_sizes", "broadcast_buffers",
-            "bucket_cap_bytes", "find_unused_parameters", "gradient_as_bucket_view", "has_sync_bn",
-            "is_multi_device_module", "iteration", "num_parameter_tensors", "output_device", "rank",
-            "world_size", "total_parameter_size_bytes", "master_addr", "master_port", "cuda_visible_devices",
+# What minidp reports of torch's logging data (the rest is torch's timings and process-group
+# settings)
+REPORTED = {"backend_name", "module_name", "device_ids", "dtypes", "bucket_sizes",
+            "broadcast_buffers", "bucket_cap_bytes", "find_unused_parameters",
+            "gradient_as_bucket_view", "has_sync_bn", "is_multi_device_module", "iteration",
+            "num_parameter_tensors", "output_device", "rank", "world_size",
+            "total_parameter_size_bytes", "master_addr", "master_port", "cuda_visible_devices",
             "torch_distributed_debug", "gloo_socket_ifname", "gloo_device_transport"}
 SAMPLED = {"has_rebuilt_buckets", "num_buckets_reduced"}  # from the first sample on
 
@@ -340,8 +351,8 @@ def test_ddp_logging_data_has_torch_ddps_values(results, case):
         assert got[-1]["iteration"] == want[-1]["iteration"] > 0
         if case != "default":  # the keys only some configurations have
             extra = {"static": "static_graph", "cap_list_rate3": "rebuilt_per_bucket_param_indices",
-                     "hooked": "comm_hook", "builtin_hook": "comm_hook", "skip": "num_buckets_reduced",
-                     "two_dtypes": "dtypes"}
+                     "hooked": "comm_hook", "builtin_hook": "comm_hook",
+                     "skip": "num_buckets_reduced", "two_dtypes": "dtypes"}
             assert extra[case] in got[-1]
 
 
@@ -350,11 +361,13 @@ def test_mixed_precision_is_the_written_out_reference(results, case):
     param_dtype, reduce_dtype, buffer_dtype, _ = MIXED[case]
     for rank_results in results:
         got = rank_results["mixed"][case]
-        if dist_world(results) == 2:  # at 2 ranks a sum does not depend on where it sits in a bucket
+        # at 2 ranks a sum does not depend on where it sits in a bucket
+        if dist_world(results) == 2:
             assert bitwise_equal(got["minidp"]["params"], got["reference"])
         assert all(seen == {(torch.float32, torch.float32)} for seen in got["minidp"]["dtypes"])
         assert got["minidp"]["buffer"] == (buffer_dtype or torch.float32)
-    assert bitwise_equal(results[0]["mixed"][case]["minidp"]["params"], results[-1]["mixed"][case]["minidp"]["params"])
+    assert bitwise_equal(results[0]["mixed"][case]["minidp"]["params"],
+                         results[-1]["mixed"][case]["minidp"]["params"])
 
 
 def dist_world(results):
@@ -362,7 +375,8 @@ def dist_world(results):
 
 
 def _mixed_against_torch():
-    """On a GPU, where torch DDP runs its mixed precision: minidp's and torch's weights after STEPS."""
+    """On a GPU, where torch DDP runs its mixed precision: minidp's and torch's weights after
+    STEPS."""
     from torch.nn.parallel.distributed import _MixedPrecision
 
     out = {}
@@ -371,9 +385,11 @@ def _mixed_against_torch():
         for engine in (minidp.DDP, TorchDDP):
             torch.manual_seed(0)
             device = torch.device("cuda", torch.cuda.current_device())
-            model = engine(Scaled().to(device), mixed_precision=_MixedPrecision(*config), bucket_cap_mb=0.01)
+            model = engine(Scaled().to(device), mixed_precision=_MixedPrecision(*config),
+                           bucket_cap_mb=0.01)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            batches = [tuple(t.to(device) for t in b) for b in rank_batches(STEPS * accumulate, dist.get_rank())]
+            batches = [tuple(t.to(device) for t in b)
+                       for b in rank_batches(STEPS * accumulate, dist.get_rank())]
             train(model, opt, batches, loss_fn=_float_loss, accumulate=accumulate)
             weights.append([w.cpu() for w in snapshot(model.module)])
         out[name] = weights
@@ -400,16 +416,19 @@ def test_mixed_precision_refuses_a_comm_hook_as_torch_does(results):
 
 def test_wrong_delay_all_reduce_keywords_are_refused_before_any_collective():
     errors = _delay_errors(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
-    both = "delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time."
+    both = ("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the "
+            "same time.")
     assert errors["alone"] == ("ValueError", both) and errors["hook_alone"] == ("ValueError", both)
-    assert errors["wrong_name"][0] == "ValueError" and "'1.weight' is not the name" in errors["wrong_name"][1]
+    assert errors["wrong_name"][0] == "ValueError"
+    assert "'1.weight' is not the name" in errors["wrong_name"][1]
     assert errors["not_a_pair"][0] == "TypeError"
     assert "param_to_hook_all_reduce must be a parameter of the module" in errors["foreign_hook"][1]
     assert "naming every parameter" in errors["every_parameter"][1]
 
 
 def test_the_engines_list_of_torch_ddp_keywords_is_the_installed_torchs():
-    """minidp.DDP accepts torch DDP's keywords from a list of its own (the engine imports no torch DDP)."""
+    """minidp.DDP accepts torch DDP's keywords from a list of its own (the engine imports no torch
+    DDP)."""
     from minidp.engine.arguments import TORCH_DDP_SIGNATURE
     torch_keywords = [k for k in inspect.signature(TorchDDP.__init__).parameters if k != "self"]
     assert list(TORCH_DDP_SIGNATURE) == torch_keywords
