@@ -151,8 +151,8 @@ class ReduceScatter:
 
 class ReducesInFlight:
     """The reduce-scatters started and not yet waited for, shared by the units of one root: at most
-    one, as FSDP2 by default (its reduce_scatter_state), since each holds a buffer the size of its
-    unit's gradients. A unit waits for the previous one before it starts its own."""
+    one, as FSDP2 by default (FSDPCommContext.reduce_scatter_states), since each holds a buffer the
+    size of its unit's gradients. A unit waits for the previous one before it starts its own."""
 
     def __init__(self):
         self.pending: list[ReduceScatter] = []
