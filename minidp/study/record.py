@@ -34,10 +34,12 @@ def build_model(spec: str) -> nn.Module:
                              "is its folder on PYTHONPATH or the current directory?") from None
         factory = getattr(module, factory_name, None)
         if not callable(factory):
-            raise ValueError(f"MODEL={spec!r}: module {module_name!r} has no callable {factory_name!r}")
+            raise ValueError(f"MODEL={spec!r}: module {module_name!r} has no callable "
+                             f"{factory_name!r}")
         model = factory()
         if not isinstance(model, nn.Module):
-            raise TypeError(f"MODEL={spec!r}: {factory_name}() returned {type(model).__name__}, not an nn.Module")
+            raise TypeError(f"MODEL={spec!r}: {factory_name}() returned {type(model).__name__}, "
+                            "not an nn.Module")
         return model
     import torchvision
 
@@ -55,11 +57,14 @@ def build_model(spec: str) -> nn.Module:
 def scalar_loss(output) -> torch.Tensor:
     """Mean square of every floating tensor in the output (tensors, tuples, lists, dicts)."""
     if isinstance(output, torch.Tensor):
-        return output.float().pow(2).mean() if output.is_floating_point() else output.new_zeros((), dtype=torch.float)
+        if not output.is_floating_point():
+            return output.new_zeros((), dtype=torch.float)
+        return output.float().pow(2).mean()
     parts = output.values() if isinstance(output, dict) else output
     losses = [scalar_loss(o) for o in parts if isinstance(o, (torch.Tensor, tuple, list, dict))]
     if not losses:
-        raise TypeError(f"the model returned {type(output).__name__}: explain needs tensors to backpropagate from")
+        raise TypeError(f"the model returned {type(output).__name__}: explain needs tensors to "
+                        "backpropagate from")
     return sum(losses)
 
 
@@ -100,12 +105,15 @@ def run_minidp(cfg, x, progress) -> dict:
 
 def _zero_stepping_in_backward(model, variant: str):
     """ZeroRedundancyOptimizer(SGD, overlap_with_ddp=True), stepped inside backward from step 3 by
-    hook_with_zero_step ("end": all buckets in the last bucket's hook) or its interleaved variant."""
+    hook_with_zero_step ("end": all buckets in the last bucket's hook) or its interleaved
+    variant."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from ..sharded.zero import ZeroRedundancyOptimizer, overlap
-    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=1e-3)
-    make_hook = overlap.hook_with_zero_step_interleaved if variant == "interleaved" else overlap.hook_with_zero_step
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True,
+                                   lr=1e-3)
+    make_hook = (overlap.hook_with_zero_step_interleaved if variant == "interleaved"
+                 else overlap.hook_with_zero_step)
     model.register_comm_hook(None, make_hook(allreduce_hook, model, zero))
     return zero
 
@@ -121,7 +129,8 @@ def run_torch_ddp(cfg, x, progress) -> dict:
 
     module = _seeded_model(cfg)
     names = {id(p): n for n, p in module.named_parameters()}
-    model = TorchDDP(module, bucket_cap_mb=cfg["bucket_cap_mb"], find_unused_parameters=cfg["find_unused"])
+    model = TorchDDP(module, bucket_cap_mb=cfg["bucket_cap_mb"],
+                     find_unused_parameters=cfg["find_unused"])
     steps = []
 
     def recording_hook(state, bucket):
