@@ -1,4 +1,5 @@
-"""minidp.ZeroRedundancyOptimizer against torch's, its oracle: same weights, partition, checkpoints, errors.
+"""minidp.ZeroRedundancyOptimizer against torch's, its oracle: same weights, partition,
+checkpoints, errors.
 
 One launch per world size (1-4): the worker runs every case on its ranks and returns plain results;
 the tests below only compare them. Training cases pair minidp.DDP + minidp's ZeRO with torch DDP +
@@ -25,6 +26,7 @@ from minidp.sharded.zero import partition
 from training import rank_batches, snapshot, train
 
 STEPS = 20
+MinidpZero = minidp.ZeroRedundancyOptimizer
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
     "adam": (torch.optim.Adam, {"lr": 0.01}),
@@ -34,13 +36,15 @@ OPTIMIZERS = {
 
 class Case(NamedTuple):
     optim: str
-    groups: bool = False  # two groups: weights (lr 0.05, weight_decay 0.01) and biases (lr 0.02, none)
+    # two groups: weights (lr 0.05, weight_decay 0.01) and biases (lr 0.02, none)
+    groups: bool = False
     bucket_view: bool = False  # parameters_as_bucket_view
     tied: bool = False  # a model with one weight shared by two layers
     late_group: bool = False  # the head joins through add_param_group() at step 5
     torch_ddp: bool = False  # both ZeROs beside torch DDP (else minidp's beside minidp.DDP)
     tiny: bool = False  # one Linear: two parameters, so at 3 and 4 ranks some ranks own nothing
-    subgroup: bool = False  # process_group = ranks 1.. (3 and 4 ranks only): group ranks are not global ones
+    # process_group = ranks 1.. (3 and 4 ranks only): group ranks are not global ones
+    subgroup: bool = False
 
 
 CASES = {
@@ -59,7 +63,8 @@ CASES = {
 
 
 class Net(nn.Module):
-    """Parameters of many sizes (so the partition has choices to make); `tied`: two layers share a weight."""
+    """Parameters of many sizes (so the partition has choices to make); `tied`: two layers share a
+    weight."""
 
     def __init__(self, tied=False):
         super().__init__()
@@ -81,12 +86,14 @@ def _net(tied=False, tiny=False):
 def _params(net, case):
     if case.tiny:
         return list(net.parameters())
-    params = [p for name, p in net.named_parameters() if not (case.late_group and name.startswith("head"))]
+    params = [p for name, p in net.named_parameters()
+              if not (case.late_group and name.startswith("head"))]
     if not case.groups:
         return params
     weights = [p for p in params if p.dim() == 2]
     biases = [p for p in params if p.dim() == 1]
-    return [{"params": weights, "lr": 0.05, "weight_decay": 0.01}, {"params": biases, "lr": 0.02, "weight_decay": 0.0}]
+    return [{"params": weights, "lr": 0.05, "weight_decay": 0.01},
+            {"params": biases, "lr": 0.02, "weight_decay": 0.0}]
 
 
 def _hyperparameters(param_groups):
@@ -108,7 +115,8 @@ def _train_case(case, zero_cls, ddp_cls, rank, group=None):
             opt.add_param_group({"params": list(net.head.parameters()), "lr": 0.03})
 
     train(model, opt, rank_batches(STEPS, rank), per_step=per_step)
-    to = dist.get_world_size(group) - 1  # the last rank of the group: `to` and group ranks are honoured
+    # the last rank of the group: `to` and group ranks are honoured
+    to = dist.get_world_size(group) - 1
     opt.consolidate_state_dict(to=to)
     return {"weights": snapshot(net), "param_groups": _hyperparameters(opt.param_groups),
             "state": opt.state_dict() if dist.get_rank(group) == to else None}
@@ -125,13 +133,15 @@ def _training(rank):
             continue
         group = subgroup if case.subgroup else None
         mine_ddp = TorchDDP if case.torch_ddp else minidp.DDP
-        out[name] = {"minidp": _train_case(case, minidp.ZeroRedundancyOptimizer, mine_ddp, rank, group),
+        out[name] = {"minidp": _train_case(case, minidp.ZeroRedundancyOptimizer, mine_ddp, rank,
+                                           group),
                      "torch": _train_case(case, TorchZero, TorchDDP, rank, group)}
     return out
 
 
 def _owned(opt, net):
-    """Which parameters (by index in net.parameters()) this rank's local optimizer steps, group by group."""
+    """Which parameters (by index in net.parameters()) this rank's local optimizer steps, group by
+    group."""
     index = {p: i for i, p in enumerate(net.parameters())}
     return [[index[p] for p in g["params"]] for g in opt.optim.param_groups]
 
@@ -145,7 +155,8 @@ def _partition():
         opt = cls(copy.copy(groups), torch.optim.SGD, lr=0.1)
         before = _owned(opt, net)
         opt.add_param_group(dict(late))
-        owned[name] = {"ungrouped": _owned(cls(list(net.parameters()), torch.optim.SGD, lr=0.1), net),
+        ungrouped = cls(list(net.parameters()), torch.optim.SGD, lr=0.1)
+        owned[name] = {"ungrouped": _owned(ungrouped, net),
                        "groups": before, "added": _owned(opt, net)}
     return owned
 
@@ -165,12 +176,14 @@ def _one_step(model, opt, batch):
 
 
 def _checkpoint(src_cls, dst_cls, bucket_view, rank):
-    """src trains 5 steps and saves; dst loads that and src's weights; both take one more step: equal?"""
+    """src trains 5 steps and saves; dst loads that and src's weights; both take one more step:
+    equal?"""
     to = dist.get_world_size() - 1  # not rank 0: `to` is honoured
     batches = rank_batches(6, rank, seed=7)
     ends = []
-    # dst trains too, on other batches: its DDP must have rebuilt its buckets as src's did (at 3 and 4
-    # ranks the bucket layout changes gloo's summation order), and load_state_dict must replace its state
+    # dst trains too, on other batches: its DDP must have rebuilt its buckets as src's did (at 3 and
+    # 4 ranks the bucket layout changes gloo's summation order), and load_state_dict must replace
+    # its state
     for cls, own_batches in ((src_cls, batches[:5]), (dst_cls, rank_batches(5, rank, seed=9))):
         net = _net()
         model = minidp.DDP(net)
@@ -183,7 +196,8 @@ def _checkpoint(src_cls, dst_cls, bucket_view, rank):
     with torch.no_grad():
         for p, q in zip(dst_net.parameters(), src_net.parameters()):
             p.copy_(q)
-    dst_opt.load_state_dict(copy.deepcopy(saved))  # torch's load clears other ranks' entries in its argument
+    # torch's load clears other ranks' entries in its argument
+    dst_opt.load_state_dict(copy.deepcopy(saved))
     for model, opt in ((src_model, src_opt), (dst_model, dst_opt)):
         _one_step(model, opt, batches[5])
     return {"weights": (snapshot(src_net), snapshot(dst_net)),
@@ -209,29 +223,33 @@ def _bad_arguments():
         "unknown keyword": (([p], torch.optim.SGD), {"lr": 0.1, "bogus": 1}),
         "non-leaf": (([p * 2], torch.optim.SGD), {"lr": 0.1}),
     }
-    out = {name: (error_of(minidp.ZeroRedundancyOptimizer, *args, **kw), error_of(TorchZero, *args, **kw))
+    out = {name: (error_of(minidp.ZeroRedundancyOptimizer, *args, **kw),
+                  error_of(TorchZero, *args, **kw))
            for name, (args, kw) in cases.items()}
     late = {}
     for cls in (minidp.ZeroRedundancyOptimizer, TorchZero):
         opt = cls([p], torch.optim.SGD, lr=0.1)
         late[cls] = (error_of(opt.state_dict), error_of(opt.add_param_group, {"params": [p]}),
                      error_of(opt.load_state_dict, {"state": {}, "param_groups": []}))
-    for i, what in enumerate(("state_dict before consolidate", "add_param_group twice", "load two groups")):
+    for i, what in enumerate(("state_dict before consolidate", "add_param_group twice",
+                              "load two groups")):
         out[what] = (late[minidp.ZeroRedundancyOptimizer][i], late[TorchZero][i])
-    out["optimizer_class not callable"] = (error_of(minidp.ZeroRedundancyOptimizer, [p], "sgd", lr=0.1),
+    out["optimizer_class not callable"] = (error_of(MinidpZero, [p], "sgd", lr=0.1),
                                            error_of(TorchZero, [p], "sgd", lr=0.1))
-    # overlap_with_ddp=True: a functional optimizer is accepted (it is turned into its torch.optim class);
-    # more than one group fails at construction (torch: in the third backward, with the same sentence)
-    out["overlap, functional optimizer"] = (error_of(minidp.ZeroRedundancyOptimizer, [p], _FunctionalSGD,
+    # overlap_with_ddp=True: a functional optimizer is accepted (it is turned into its torch.optim
+    # class); more than one group fails at construction (torch: in the third backward, with the same
+    # sentence)
+    out["overlap, functional optimizer"] = (error_of(MinidpZero, [p], _FunctionalSGD,
                                                      overlap_with_ddp=True, lr=0.1), None)
     two_groups = [{"params": [p]}, {"params": [nn.Linear(2, 2).weight]}]
-    out["overlap, two groups"] = (error_of(minidp.ZeroRedundancyOptimizer, two_groups, torch.optim.SGD,
+    out["overlap, two groups"] = (error_of(MinidpZero, two_groups, torch.optim.SGD,
                                            overlap_with_ddp=True, lr=0.1), None)
     return out
 
 
 def _closure_and_zero_grad(rank):
-    """step(closure) returns the closure's loss; zero_grad(set_to_none=False) zeroes every rank's grads."""
+    """step(closure) returns the closure's loss; zero_grad(set_to_none=False) zeroes every rank's
+    grads."""
     x, y = rank_batches(1, rank)[0]
     out = {}
     for name, cls in (("minidp", minidp.ZeroRedundancyOptimizer), ("torch", TorchZero)):
@@ -247,15 +265,16 @@ def _closure_and_zero_grad(rank):
         loss = opt.step(closure)
         opt.zero_grad(set_to_none=False)
         index = {p: i for i, p in enumerate(net.parameters())}
-        # torch's private _all_params (its own Join tests read it): the constructor's parameters, in order
+        # torch's private _all_params (its own Join tests read it): the constructor's parameters, in
+        # order
         out[name] = (loss.detach(), snapshot(net), [p.grad for p in net.parameters()],
                      [index[p] for p in opt._all_params])
     return out
 
 
 def _uneven_inputs(rank):
-    """Rank r has 3 + r batches, under Join([model, optimizer]): a joined rank still steps its shard and
-    broadcasts it (the join hook) while the others train on."""
+    """Rank r has 3 + r batches, under Join([model, optimizer]): a joined rank still steps its shard
+    and broadcasts it (the join hook) while the others train on."""
     out = {}
     for name, zero_cls, ddp_cls in (("minidp", minidp.ZeroRedundancyOptimizer, minidp.DDP),
                                     ("torch", TorchZero, TorchDDP)):
@@ -273,8 +292,8 @@ def _worker():
     rank = dist.get_rank()
     return {"uneven": _uneven_inputs(rank), "training": _training(rank), "partition": _partition(),
             "closure": _closure_and_zero_grad(rank),
-            "checkpoint": {"torch->minidp": _checkpoint(TorchZero, minidp.ZeroRedundancyOptimizer, False, rank),
-                           "minidp->torch": _checkpoint(minidp.ZeroRedundancyOptimizer, TorchZero, True, rank)},
+            "checkpoint": {"torch->minidp": _checkpoint(TorchZero, MinidpZero, False, rank),
+                           "minidp->torch": _checkpoint(MinidpZero, TorchZero, True, rank)},
             "errors": _bad_arguments()}
 
 
@@ -305,7 +324,8 @@ def test_training_equals_torch_zero_bitwise(ranks, case):
     for rank, got in enumerate(results):
         assert _same(got["minidp"]["weights"], got["torch"]["weights"]), (case, rank)
         assert got["minidp"]["param_groups"] == got["torch"]["param_groups"], (case, rank)
-        assert _same(got["minidp"]["state"], got["torch"]["state"]), (case, rank)  # torch's format, equal
+        # torch's format, equal
+        assert _same(got["minidp"]["state"], got["torch"]["state"]), (case, rank)
         # every rank ends with every updated weight (the broadcasts)
         assert _same(got["minidp"]["weights"], results[0]["minidp"]["weights"]), (case, rank)
 
@@ -314,14 +334,17 @@ def test_partition_equals_torchs(ranks):
     for rank, out in enumerate(ranks):
         assert out["partition"]["minidp"] == out["partition"]["torch"], rank
     # each of Net's 8 parameters is stepped by exactly one rank
-    owned = sorted(i for out in ranks for group in out["partition"]["minidp"]["ungrouped"] for i in group)
+    owned = sorted(i for out in ranks for group in out["partition"]["minidp"]["ungrouped"]
+                   for i in group)
     assert owned == list(range(8))
 
 
 def test_partition_rule_by_hand():
-    """Largest first, each to the least-loaded rank (lowest on a tie), loads carried across groups."""
+    """Largest first, each to the least-loaded rank (lowest on a tie), loads carried across
+    groups."""
     sizes = [3, 5, 2, 3]  # sorted: 5 (index 1), 3 (0), 3 (3), 2 (2); a stable sort keeps 0 before 3
-    groups = [{"params": [torch.zeros(n) for n in sizes], "lr": 0.1}, {"params": [torch.zeros(4)], "lr": 0.2}]
+    groups = [{"params": [torch.zeros(n) for n in sizes], "lr": 0.1},
+              {"params": [torch.zeros(4)], "lr": 0.2}]
     got = partition.partition_parameters(groups, 2)
     ids = {id(p): i for i, p in enumerate(groups[0]["params"] + groups[1]["params"])}
     as_ids = [[[ids[id(p)] for p in g["params"]] for g in rank] for rank in got]
@@ -338,7 +361,8 @@ def test_uneven_inputs_under_join_as_torchs(ranks):
 
 def test_closure_and_zero_grad_as_torchs(ranks):
     for rank, out in enumerate(ranks):
-        (loss, weights, grads, all_params), theirs = out["closure"]["minidp"], out["closure"]["torch"]
+        theirs = out["closure"]["torch"]
+        (loss, weights, grads, all_params) = out["closure"]["minidp"]
         assert _same((loss, weights, grads, all_params), theirs), rank
         assert all_params == list(range(len(weights))), rank
         assert all(g is not None and not g.any() for g in grads), rank
@@ -358,7 +382,8 @@ def test_bad_arguments_raise_torchs_errors(ranks):
     errors = ranks[0]["errors"]
     for case, (mine, theirs) in errors.items():
         if case == "overlap, two groups":
-            assert mine[0] == "RuntimeError" and "only supports a single parameter group" in mine[1], mine
+            assert mine[0] == "RuntimeError", mine
+            assert "only supports a single parameter group" in mine[1], mine
             assert "got 2 parameter groups" in mine[1], mine
         elif case == "overlap, functional optimizer":
             assert mine is None
