@@ -111,7 +111,8 @@ def gathered(model) -> tuple[list, list, list]:
                 for fp in group.fsdp_params:
                     params += list(fp.all_gather_outputs)
                     unsharded = getattr(fp, "_unsharded_param", None)
-                    grads += [None if unsharded is None else unsharded.grad, fp.unsharded_accumulated_grad]
+                    grads += [None if unsharded is None else unsharded.grad,
+                              fp.unsharded_accumulated_grad]
                 result = group._all_gather_result
                 comm += [None if result is None else result.all_gather_output]
                 ctx = group.comm_ctx
