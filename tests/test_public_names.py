@@ -8,7 +8,8 @@ def test_dir_lists_the_public_names_only():
     """No module leaks into dir(minidp): neither one __init__.py imports (importlib was one) nor a
     subpackage that loading a public name imports (Python sets minidp.engine, minidp.sharded, ...
     as attributes of the package)."""
-    minidp.DDP, minidp.ZeroRedundancyOptimizer, minidp.fully_shard  # load the engines
+    engines = (minidp.DDP, minidp.ZeroRedundancyOptimizer, minidp.fully_shard)  # loads them
+    assert all(engine is not None for engine in engines)
     names = dir(minidp)
     assert sorted(names) == sorted([*minidp.__all__, "__version__"])
     modules = {n for n in names if isinstance(getattr(minidp, n), types.ModuleType)}
