@@ -75,7 +75,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._trainable = self._trainable_mask()
         self._buffers: list[list[torch.Tensor]] = []
         self._all_state_dicts: list[dict] = []  # filled on the `to` rank by consolidate_state_dict
-        if self._overlap_with_ddp:  # the hook partitions DDP's buckets, once they are final
+        # The policy, `_stepping`, picked here once: the step in step(), after backward, over the
+        # partition made now; or (overlap_with_ddp) inside DDP's backward, where the hook partitions
+        # DDP's buckets once they are final (overlap.py).
+        if self._overlap_with_ddp:
             arguments.check_overlap(self.param_groups, parameters_as_bucket_view)
             self._stepping = overlap.StepInBackward(optimizer_class, self.world_size)
         else:
