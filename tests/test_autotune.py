@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
 from harness import run_ranks
-from minidp.engine import autocap
+from minidp.engine import layout as autocap  # AutoCap and its constants live with the layout
 from models import build
 from training import bitwise_equal, offset_by_rank, rank_batches, snapshot, train
 

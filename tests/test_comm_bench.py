@@ -67,10 +67,8 @@ def test_compression_study_quick_run_writes_the_study(tmp_path):
     assert topk["bytes_measured"] == topk["bytes_analytical"] < topk["param_bytes"] == exact["bytes_measured"]
     assert {c["op"] for c in topk["collectives"] if not c.get("engine")} == {"all_gather"}
     assert {c["op"] for c in exact["collectives"]} == {"all_reduce"}
-    # minidp.DDP's own status all-reduce after a comm hook (one int32 per rank), noted apart from the method's;
-    # exact (no hook) and the methods without DDP have none
-    status = {"op": "all_reduce", "bytes": 8, "per_step": 1, "scale": "ranks", "engine": True}
-    assert [c for c in topk["collectives"] if c.get("engine")] == [status]
+    # a comm hook's step issues the hook's collectives only: minidp.DDP adds none of its own (issue 39)
+    assert not any(c.get("engine") for m in study["methods"].values() for c in m["collectives"])
     assert sum(c["bytes"] for c in exact["collectives"]) == exact["param_bytes"]  # every gradient, once
     assert exact["steps_to_target"] == [exact["sweep"]["0.1"][0]] and len(exact["final_val_loss"]) == 1
     param_bytes = exact["param_bytes"]
@@ -79,9 +77,6 @@ def test_compression_study_quick_run_writes_the_study(tmp_path):
         assert sum(c["bytes"] * c["per_step"] for c in m["collectives"] if not c.get("engine")) == \
             m["bytes_measured"], name
     demo, onebit, streaming = (study["methods"][name] for name in ("DeMo", "1-bit Adam", STREAMING))
-    assert not any(c.get("engine") for c in exact["collectives"] + demo["collectives"] + onebit["collectives"])
-    assert [c for c in streaming["collectives"] if c.get("engine")] == [status]  # its local steps' hook
-    streaming["collectives"] = [c for c in streaming["collectives"] if not c.get("engine")]
     assert [c["op"] for c in demo["collectives"]] == ["all_gather"] and demo["start_iter"] == 0
     assert 50 * demo["bytes_measured"] < param_bytes  # top 32 of each 64 x 64 DCT block, int16 indices
     assert onebit["start_iter"] == 6 and onebit["warmup_collectives"] == [

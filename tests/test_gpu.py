@@ -91,13 +91,10 @@ def test_reducer_recorder_takes_the_gpu_start_at_launch_before_the_work_is_queue
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
 
-    class Reducer:  # what the recorder reads
-        device = torch.device("cuda", 0)
-
     timeline, future = Timeline(), torch.futures.Future()
-    recorder = timeline_module.ReducerRecorder(timeline, Reducer())
+    recorder = timeline_module.ReducerRecorder(timeline, torch.device("cuda", 0))
     before_launch = time.perf_counter_ns()
-    recorder.launch(0)
+    recorder.launch(1, 0)  # iteration 1, bucket 0
     time.sleep(0.05)  # the work queued on the current stream (50 ms on the made-up GPU clock too)
     queued = time.perf_counter_ns()
     recorder.watch(0, future)

@@ -21,8 +21,8 @@ import minidp
 from harness import Loopback, run_ranks
 from minidp import comm
 from minidp.comm.sign import pack_bits, unpack_signs
+from minidp.engine.failures import status_on_host
 from minidp.engine.hooks import GradBucket
-from minidp.engine.recovery import status_on_host
 from minidp.engine.timeline import bucket_spans
 from models import build
 

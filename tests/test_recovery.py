@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
 from harness import run_ranks
-from minidp.engine.recovery import status_on_host
+from minidp.engine.failures import status_on_host
 from training import bitwise_equal, offset_by_rank, shard_of, snapshot
 
 STEPS, SHARD = 6, 4
@@ -55,7 +55,7 @@ def _scenarios(world_size):
         "one_rank_find_unused_bucket_view": {"step": 2, "ranks": [0],
                                              "ddp": {"find_unused_parameters": True,
                                                      "gradient_as_bucket_view": True}},
-        # recovery.status_on_host: the status on CPU tensors over a gloo copy of the group (no GPU read)
+        # failures.status_on_host: the status on CPU tensors over a gloo copy of the group (no GPU read)
         "one_rank_status_on_host": {"step": 3, "ranks": [last], "host_status": True},
         "one_rank_find_unused_status_on_host": {"step": 2, "ranks": [0], "host_status": True,
                                                 "ddp": {"find_unused_parameters": True}},

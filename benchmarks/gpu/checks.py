@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import minidp  # noqa: E402
 import workloads  # noqa: E402 - benchmarks/ is not a package
 from minidp import comm  # noqa: E402
-from minidp.engine.recovery import status_on_host  # noqa: E402
+from minidp.engine.failures import status_on_host  # noqa: E402
 
 COMPRESSORS = {"FP16": comm.FP16, "BF16": comm.BF16, "TopK 1%": lambda: comm.TopK(0.01),
                "RandomK 1%": lambda: comm.RandomK(0.01), "QSGD 16": lambda: comm.QSGD(16), "Sign": comm.Sign,

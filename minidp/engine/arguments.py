@@ -1,4 +1,8 @@
-"""The wrapper's constructor checks that run before any collective: arguments, device_mesh, transport.
+"""The wrapper's keywords: checked before any collective, then read once into what the core is handed.
+
+First the checks (arguments, devices, device_mesh, transport); then `choose`, which turns the mode
+keywords into the policies the reducer and its layout are given (a `Mode`), so no first-read file
+tests a mode.
 
 A bad argument raises on every rank before the ranks meet (TypeError for a wrong type, ValueError for
 a wrong value, torch DDP's RuntimeError where torch raises one), so no rank waits in a collective that
@@ -7,20 +11,34 @@ another rank never starts.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parameter import is_lazy
 
 from ..validate import check_bool, check_number
-from .cap_list import check_cap_list
+from . import planning
+from .bucket_kinds import (
+    MixedPrecisionBucket,
+    MixedPrecisionState,
+    SparseBucket,
+    ViewBucket,
+    check_mixed_precision,
+    sparse_gradient_flags,
+)
+from .buckets import Bucket
 from .compat import ignored_names
 from .delayed import check_delayed
 from .hooks import Transport
-from .mixed_precision import check_mixed_precision
-from .skip_unused import check_skip
+from .layout import AutoCap, check_cap_list, limits_of
+from .readiness import FindUnused, SkipUnused, StaticGraph, check_skip
+from .step import EveryParameter
 
 # torch DDP's keywords that minidp implements in second-read files, with their defaults.
 # torch 2.14 DDP's constructor keywords, written out: the engine reads nothing of torch's DDP
@@ -124,3 +142,121 @@ def check_transport(transport, module: nn.Module, process_group):
     device = next(module.parameters()).device
     transport.check_device(device)  # ValueError naming the transport and the device
     return transport
+
+
+def check_devices(params: list, device_ids) -> torch.device | None:
+    """The device inputs are moved to (None: not moved), refusing what DDP refuses, and multi-device modules.
+
+    A module on several devices is refused even without device_ids: the autograd engine runs each
+    device's part of backward on its own thread, and the reducer's state is not made for that.
+    """
+    devices = {p.device for p in params}
+    if len({d.type for d in devices}) > 1:
+        raise ValueError(f"minidp.DDP's module must be on one type of device, but its parameters are on {devices}")
+    if len(devices) > 1:
+        raise ValueError(f"minidp.DDP needs a single-device module (one device per process), but its parameters "
+                         f"are on {sorted(map(str, devices))}: its gradient hooks would run on several threads")
+    if device_ids is None or (isinstance(device_ids, (list, tuple)) and len(device_ids) == 0):
+        return None  # DDP treats [] as None too
+    if not isinstance(device_ids, (list, tuple)):
+        raise TypeError(f"device_ids={device_ids!r} must be None or a list holding one device")
+    if len(device_ids) != 1:
+        raise ValueError(f"device_ids={device_ids!r} must be None or a list holding one device (one per process)")
+    device = next(iter(devices))
+    if device.type == "cpu":
+        raise ValueError(f"device_ids={device_ids!r} given for a module on the CPU: pass device_ids=None")
+    target = torch.device(device.type, device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
+    if target.index is None:  # "cuda": the current device, as DDP reads it
+        target = torch.device(target.type, torch.accelerator.current_device_index())
+    if target != device:
+        raise ValueError(f"device_ids={device_ids!r}: the module is on {device}, not on {target}; "
+                         f"move it there first (module.to({str(target)!r}))")
+    return target
+
+
+def check_sync_batchnorm(module: torch.nn.Module, device: torch.device | None) -> None:
+    """torch.nn.SyncBatchNorm runs on GPUs only: refused on a CPU module at construction, as torch DDP does."""
+    if device is not None and device.type == "cpu" and any(
+            isinstance(layer, torch.nn.SyncBatchNorm) for layer in module.modules()):
+        raise ValueError("SyncBatchNorm layers only work with GPU modules (torch.nn.SyncBatchNorm, as in "
+                         "torch DDP); on the CPU, convert with minidp.convert_sync_batchnorm(model), "
+                         "which runs on gloo")
+
+
+# The wrapper's mode keywords, read in one place: what the core is given instead of `if mode` branches.
+#
+# What it changes in the core: nothing; it picks. The reducer asks a readiness policy (reducer.py's
+# EveryParameter, or readiness.py's); the layout makes its buckets with a factory (buckets.py, or
+# bucket_kinds.py, which also says which gradients are sparse), cuts them by a list of limits
+# (planning.py, or layout.py's bucket_cap_mb_list limits) and lets a tuner change its cap (layout.py's
+# AutoCap). `choose` picks them from the keywords, once per reducer (again when a pickled wrapper is
+# loaded), so no file of the first read imports a mode's file.
+
+class Mode(NamedTuple):
+    """What `choose` gives the reducer (readiness) and its layout (the rest).
+
+    readiness: the policy the reducer asks whether a gradient is final (reducer.py, readiness.py).
+    sparse: by parameter, whether its gradient is sparse: a bucket of its own and kind.
+    new_bucket: (index, param_indices, params, sparse) -> a bucket of the mode's kind.
+    needs_rebuild: torch's `static_graph or not find_unused_parameters`: rebuilt once, in ready order.
+    cap: the cap (MiB) the layout starts with: bucket_cap_mb (None: DDP's default), or under "auto"
+        the tuner's first candidate; with bucket_cap_mb_list, the list's largest (as torch's).
+    limits: (cap, first_iteration, needs_rebuild) -> the byte limits of a plan: planning's
+        bucket_limits, or bucket_cap_mb_list's (layout.limits_of).
+    tuner: bucket_cap_mb="auto"'s AutoCap, which changes the layout's cap in the first iterations.
+    compile_cap: the cap torch.compile's graph is cut at (graph_split.py): bucket_cap_mb, or DDP's
+        default (None) under "auto", whose cap is not chosen yet when the module is compiled.
+    """
+
+    readiness: object
+    sparse: list[bool]
+    new_bucket: Callable
+    needs_rebuild: bool
+    cap: float | None
+    limits: Callable
+    tuner: AutoCap | None
+    compile_cap: float | None
+
+
+def choose(ddp, params: list, names: list[str]) -> Mode:
+    """The mode of the wrapper `ddp`'s keywords (static_graph wins over find_unused_parameters).
+
+    Args:
+        ddp: the minidp.DistributedDataParallel; its bucket_cap_mb, find_unused_parameters,
+            static_graph and gradient_as_bucket_view are read (its keywords, validated already),
+            and its module, process_group and transport (which gradients are sparse, and whether
+            they can be reduced there: bucket_kinds.py).
+        params, names: the reducer's parameters and their names.
+    """
+    sparse = sparse_gradient_flags(ddp.module, params, names, ddp.process_group, ddp.transport)
+    bucket_cap_mb = ddp.bucket_cap_mb
+    static_graph = ddp.static_graph
+    find_unused_parameters = ddp.find_unused_parameters
+    if static_graph:
+        readiness = StaticGraph(names)
+    elif find_unused_parameters:  # skip_all_reduce_unused_params: less some all-reduces
+        skip = ddp.torch_keywords["skip_all_reduce_unused_params"]
+        readiness = (SkipUnused if skip else FindUnused)(names)
+    else:
+        readiness = EveryParameter(names)
+    dense = ViewBucket if ddp.gradient_as_bucket_view else Bucket
+    if ddp.mixed_precision is not None:  # buckets in reduce_dtype
+        dense = functools.partial(MixedPrecisionBucket, state=MixedPrecisionState(ddp, sparse))
+    tuner = AutoCap() if bucket_cap_mb == "auto" else None  # the one place that reads "auto"
+    caps = ddp.torch_keywords["bucket_cap_mb_list"]  # None, or a non-empty list
+    limits = planning.bucket_limits if caps is None else functools.partial(limits_of, caps)
+    bucket_cap_mb = bucket_cap_mb if caps is None else max(caps)  # torch ignores it then
+    return Mode(readiness=readiness,
+                sparse=sparse,
+                new_bucket=functools.partial(new_bucket, dense=dense),
+                needs_rebuild=static_graph or not find_unused_parameters,
+                cap=bucket_cap_mb if tuner is None else tuner.cap,
+                limits=limits,
+                tuner=tuner,
+                compile_cap=bucket_cap_mb if tuner is None else None)
+
+
+def new_bucket(index: int, param_indices: list[int], params: list, sparse: bool, dense=Bucket):
+    """A bucket of the mode's kind: a sparse gradient's own, else `dense`."""
+    kind = SparseBucket if sparse else dense
+    return kind(index, param_indices, params)

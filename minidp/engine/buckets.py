@@ -2,7 +2,7 @@
 
 A `Bucket` is one flat buffer, allocated once per layout, with a view per parameter (`flat_view`,
 DDP's strides). On the default path a gradient is multiplied by 1/world_size while it is copied in
-(DDP's numerics); a comm hook gets the plain sum. (Sparse gradients: another kind, sparse.py.)
+(DDP's numerics); a comm hook gets the plain sum. (Other kinds: bucket_kinds.py.)
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
-DIRECT_BROADCAST_BYTES = 1024 * 1024  # a contiguous tensor this large is broadcast in place, not packed
+DIRECT_BROADCAST_BYTES = 1024 * 1024  # a contiguous tensor this large: broadcast in place, unpacked
 PICKLE_PROTOCOL = 4  # fixed, so equal records pickle (and hash) alike on every rank
 
 
@@ -26,7 +26,7 @@ def global_rank(group, group_rank: int) -> int:
 
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], group=None, src: int = 0,
                         chunk_bytes: int = BROADCAST_CHUNK_BYTES) -> None:
-    """Overwrite `tensors` on every rank with group rank `src`'s values, a few flat collectives in all.
+    """Overwrite `tensors` on every rank with group rank `src`'s values, in a few flat collectives.
 
     Small tensors are grouped by dtype and device (keeping their order within a group), packed into
     flat chunks of up to `chunk_bytes`, broadcast once per chunk and unpacked: BatchNorm's float and
@@ -61,7 +61,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group=None, src: int = 
 
 
 def flat_chunks(tensors: Sequence[torch.Tensor], chunk_bytes: int = BROADCAST_CHUNK_BYTES):
-    """Yield lists of tensors that can be packed into one flat buffer: same dtype and device, <= chunk_bytes.
+    """Yield lists of tensors that pack into one flat buffer: same dtype and device, <= chunk_bytes.
 
     Tensors keep their order within a (dtype, device) group; a tensor larger than chunk_bytes gets
     a chunk of its own. Used by broadcast_coalesced and join's broadcast_from_last_trainer.
@@ -86,7 +86,8 @@ def collective_device(group=None, device=None) -> torch.device:
     """Where to stage tensors for a collective on `group`: the CPU, unless the backend is NCCL.
 
     NCCL takes CUDA tensors only: there `device` when it is a CUDA device (pass the module's),
-    else the current CUDA device, as torch does. Gloo and the others take CPU tensors, no copy needed.
+    else the current CUDA device, as torch does. Gloo and the others take CPU tensors, no copy
+    needed.
 
     Args:
         group: the process group. Default None: the world.
@@ -141,7 +142,8 @@ def check_same_across_ranks(what: str, records: list, group=None, device=None) -
         return  # one rank agrees with itself
     device = collective_device(group, device)
     sha = hashlib.sha256(pickle.dumps(records, protocol=PICKLE_PROTOCOL)).digest()
-    digest = int.from_bytes(sha[:8], "little") >> 2  # 62 bits: non-negative, and its negation fits an int64
+    # 62 bits: non-negative, and its negation fits an int64
+    digest = int.from_bytes(sha[:8], "little") >> 2
     extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)  # ranks meet here: 16 bytes
     largest, minus_smallest = extremes.tolist()
@@ -167,9 +169,9 @@ def _raise_if_different(what: str, gathered: list) -> None:
     lines = [f"  rank 0: {show(reference)}"] + [f"  rank {r}: {show(gathered[r])}" for r in ranks]
     counts = sorted({len(rec) for rec in gathered})
     raise RuntimeError(
-        f"minidp.DDP construction (before iteration 1): ranks {ranks} differ from rank 0 at {what} #{first} "
-        f"(entry counts seen: {counts}); every rank must wrap the same model with the same settings, "
-        "or their buckets would not match:\n" + "\n".join(lines))
+        f"minidp.DDP construction (before iteration 1): ranks {ranks} differ from rank 0 at "
+        f"{what} #{first} (entry counts seen: {counts}); every rank must wrap the same model with "
+        "the same settings, or their buckets would not match:\n" + "\n".join(lines))
 
 
 def _first_difference(a: list, b: list) -> int:
@@ -180,15 +182,17 @@ def _first_difference(a: list, b: list) -> int:
 
 
 def check_same_model(params: list, buffers: list, settings: list, group=None) -> None:
-    """Every rank must wrap the same parameters and buffers with the same settings; say where they differ.
+    """Every rank must wrap the same parameters and buffers with the same settings; says where not.
 
     Args:
-        params, buffers: (name, tensor) pairs. settings: "keyword=value" strings that shape the buckets.
+        params, buffers: (name, tensor) pairs. settings: "keyword=value" strings that shape the
+            buckets.
     """
     records = [("parameter", n, tuple(p.shape), str(p.dtype)) for n, p in params]
     records += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in buffers]
     records.append(("settings", *settings))
     # A differing setting (e.g. bucket_cap_mb) would give different buckets from iteration 2 on, and
     # sums of unrelated gradients: refuse before iteration 1.
-    device = next((p.device for _, p in params), None)  # under NCCL the check runs on the module's GPU
-    check_same_across_ranks("parameter/buffer/setting", records, group, device=device)  # ranks meet here
+    device = next((p.device for _, p in params), None)  # under NCCL: on the module's GPU
+    # ranks meet here
+    check_same_across_ranks("parameter/buffer/setting", records, group, device=device)

@@ -1,10 +1,10 @@
 """minidp.DistributedDataParallel: the nn.Module wrapper. Construct, forward, no_sync, comm hooks.
 
 A drop-in for torch DDP: same keywords, `.module`, state_dict keys. The averaging is reducer.py's.
-The other methods are its base classes', second read: what torch DDP has (_set_static_graph,
+The other methods are its two base classes', second read: what torch DDP has (_set_static_graph,
 _register_builtin_comm_hook, pickling, to_kwargs, ...) in compat.py; join() and the Join protocol
-in join.py; enable_timeline(), bucket_plan(), auto_bucket_cap in inspection.py. The constructor
-and forward call none of them: only second-read modules' functions, one line each.
+in join.py. The constructor and forward call none of them: only second-read modules' functions,
+one line each. Last here, minidp's own windows into the engine: enable_timeline(), bucket_plan().
 """
 from __future__ import annotations
 
@@ -15,29 +15,35 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import compat, join, modes
+from . import compat, join
 from . import debug as debug_mode
-from .arguments import check_arguments, check_transport, group_of_mesh
+from .arguments import (
+    Mode,
+    check_arguments,
+    check_devices,
+    check_sync_batchnorm,
+    check_transport,
+    choose,
+    group_of_mesh,
+)
 from .collectives import broadcast_coalesced, check_same_model
 from .compat import TorchCompat
-from .devices import check_devices, check_sync_batchnorm, move_inputs
-from .graph_split import ModuleRunner, forward_outside_dynamo
-from .hook_checks import hook_name
-from .inspection import Inspection
+from .devices import move_inputs
+from .graph_split import ModuleRunner, forward_outside_dynamo, is_compiled
+from .hooks import hook_name
 from .join import JoinableDDP
-from .progress import track_progress
-from .recovery import close_failed_step
 from .reducer import Reducer
+from .timeline import ReducerRecorder, Timeline
 
 
-class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
+class DistributedDataParallel(TorchCompat, JoinableDDP, nn.Module):
     """Average gradients over ranks during backward, bucket by bucket, as torch DDP does.
 
     Args: torch DDP's keywords, with its defaults and meanings: module (on this rank's device),
         device_ids, broadcast_buffers, init_sync, process_group or device_mesh, bucket_cap_mb
         (25 MiB, the first bucket 1 MiB), find_unused_parameters, gradient_as_bucket_view,
         static_graph (output_device, dim, check_reduction ignored, as in torch); minidp's own:
-        bucket_cap_mb="auto": time a few caps in the first steps, keep the fastest (autocap.py);
+        bucket_cap_mb="auto": time a few caps in the first steps, keep the fastest (layout.py);
         debug: check every step that all ranks reduce the same thing (debug.py). Default:
         MINIDP_DEBUG=1; transport: a minidp.comm transport for the default all-reduce. Default None.
 
@@ -71,6 +77,7 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
             raise RuntimeError("minidp.DDP needs a process group: call minidp.init() first")
         self.module = module
         self._comm_hook = None  # (state, hook) once registered
+        self.timeline = None  # the Timeline while enable_timeline() records
         self.process_group = dist.group.WORLD if process_group is None else process_group
         self.device = all_named[0][1].device if all_named else None  # as DDP's: the module's
         check_sync_batchnorm(module, self.device)
@@ -103,15 +110,15 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
             broadcast_coalesced(states, self.process_group)  # ranks meet here: rank 0's weights win
         mode = self._build_reducer(named)
         self._run_module = ModuleRunner(module, mode.compile_cap)  # compiled in bucket-sized pieces
+        self._module_is_compiled = is_compiled(module)  # minidp.DDP(torch.compile(m))
 
-    def _build_reducer(self, named: list) -> modes.Mode:
+    def _build_reducer(self, named: list) -> Mode:
         """Build the reducer on (name, parameter) pairs (again when unpickled); returns its mode."""
         params = [p for _, p in named]
         names = [n for n, _ in named]
-        mode = modes.choose(self, params, names)  # the readiness policy, the bucket kinds, the cap
+        mode = choose(self, params, names)  # the readiness policy, the bucket kinds, the cap
         self.reducer = Reducer(params, names, mode, process_group=self.process_group,
                                debug=self.debug, transport=self.transport)
-        track_progress(self)  # for minidp.init()'s watchdog, which names a stuck or lost rank
         return mode
 
     def forward(self, *inputs, **kwargs):
@@ -120,12 +127,18 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
             # torch.compile(minidp.DDP(m)) traces this: run it as Python, the module compiled.
             outside_dynamo = torch.compiler.disable(forward_outside_dynamo, recursive=False)
             return outside_dynamo(self, inputs, kwargs)
+        # graph_split.py's runner compiles the module in bucket-sized pieces, if it is compiled.
+        run = self._run_module if self._module_is_compiled else self.module
+        return self._forward(run, inputs, kwargs)
+
+    def _forward(self, run, inputs: tuple, kwargs: dict):
+        """The forward outside any compile; `run` calls the module."""
         syncing = torch.is_grad_enabled() and self.require_backward_grad_sync
         divisor = self._pre_forward(syncing)
         if self.input_device is not None:
             inputs = move_inputs(inputs, self.input_device)
             kwargs = move_inputs(kwargs, self.input_device)
-        output = self._run_module(*inputs, **kwargs)
+        output = run(*inputs, **kwargs)
         # As in DDP, whether the *next* forward broadcasts buffers depends on this one syncing.
         self.require_forward_param_sync = syncing
         if syncing:
@@ -134,31 +147,40 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
 
     def _pre_forward(self, syncing: bool):
         """Every collective before the module, in DDP's order; returns join()'s divisor or None."""
-        close_failed_step(self.reducer)  # ranks meet here only if this rank's last backward raised
-        divisor = join.notify_joined_ranks(self)  # ranks meet here under join(): who still trains?
-        if syncing or self._join_config.enable:  # under join(): always (joined ranks can't know)
-            debug_mode.check_step(self.reducer, debug_mode.FORWARD)  # ranks meet here in debug mode
+        self.reducer.before_forward()  # ranks meet there only if this rank's last backward raised
+        under_join = self._join_config.enable  # `with model.join():` (uneven inputs, join.py)
+        # Under join(), ranks meet there: who still trains? (None: divide by the world size)
+        divisor = join.notify_joined_ranks(self) if under_join else None
+        if syncing or under_join:  # under join(): always (joined ranks can't know)
+            self.reducer.check_consistency(debug_mode.FORWARD)  # ranks meet there in debug mode
         self._sync_before_module(joined=False)
-        join.vote_to_sync(self)  # ranks meet here under join(): do we sync gradients this time?
+        if under_join:
+            join.vote_to_sync(self)  # ranks meet there: do we sync gradients this time?
         return divisor
 
     def _sync_before_module(self, joined: bool) -> None:
         """The rebuild and the buffers: collectives a rank out of data (`joined`) shadows too."""
-        if joined or torch.is_grad_enabled():  # ranks meet here, once, after the first step
-            self.reducer.layout.maybe_replan(self.reducer.completed)
+        if joined or torch.is_grad_enabled():  # ranks meet there, once, after the first step
+            self.reducer.replan()
         if self.require_forward_param_sync and self.broadcast_buffers and self.has_buffers:
             self.sync_buffers(joined)  # ranks meet here
 
     def sync_buffers(self, joined: bool) -> None:
         """Broadcast the buffers from rank 0 (under join(): the highest rank still training)."""
-        buffers = compat.buffers_to_sync(self)  # all but those set to be ignored
+        buffers = self._buffers_to_sync()
         if not buffers:
             return
         group = self.process_group
         if self._join_config.enable:  # ranks meet here, joined ones too
-            join.broadcast_from_last_trainer(buffers, group, self.reducer.device, not joined)
+            join.broadcast_from_last_trainer(buffers, group, self.device, not joined)
         else:
             broadcast_coalesced(buffers, group)  # ranks meet here
+
+    def _buffers_to_sync(self) -> list[torch.Tensor]:
+        """The module's buffers but those set to be ignored (compat.py: torch DDP's private API)."""
+        if not self._ignored_buffers:
+            return list(self.module.buffers())
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -178,14 +200,34 @@ class DistributedDataParallel(TorchCompat, Inspection, JoinableDDP, nn.Module):
         Register it before training.
         """
         self._check_comm_hook(hook)  # TypeError / ValueError, logged as torch DDP's (compat.py)
-        if self.reducer.comm_hook is not None:
+        if self._comm_hook is not None:
             compat.refuse_as_reducer(self, "register_comm_hook or register_builtin_comm_hook can "
                                      "only be called once. minidp: a communication hook is "
-                                     f"registered already ({hook_name(self.reducer.comm_hook)})")
-        self.reducer.comm_hook = hook
-        self.reducer.comm_state = state
-        self.reducer.layout.allocate_buffers()  # world size 1: buckets now; the hook sees them all
+                                     f"registered already ({hook_name(self._comm_hook[1])})")
+        self.reducer.use_comm_hook(hook, state)
         self._comm_hook = (state, hook)  # re-registered when a pickled copy is loaded (compat.py)
+
+    # minidp's own windows into the engine; none of them changes what is computed.
+
+    def enable_timeline(self) -> Timeline:
+        """Start recording gradient-ready, launch and completion events; returns the Timeline."""
+        self.timeline = Timeline()
+        self.reducer.record_to(ReducerRecorder(self.timeline, self.device))
+        return self.timeline
+
+    def disable_timeline(self) -> None:
+        self.timeline = None
+        self.reducer.record_to(None)
+
+    def bucket_plan(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order."""
+        known = self.reducer.describe()
+        return [[known["names"][i] for i in indices] for indices in known["plan"]]
+
+    @property
+    def auto_bucket_cap(self):
+        """With bucket_cap_mb="auto", the tuner (layout.AutoCap), else None."""
+        return self.reducer.describe()["tuner"]
 
 
 DDP = DistributedDataParallel

@@ -10,7 +10,7 @@ all-gathers a fingerprint (phase, iteration, bucket plan, bucket, size). These a
 each other, so a disagreement is seen by every rank at once and reported with its details.
 Off by default: it costs one small all-gather per forward and per backward.
 
-Under join() a rank whose data has run out still meets every check (join.py calls check_joined
+Under join() a rank whose data has run out still meets every check (join.py has the reducer check
 where a training rank's forward and backward check), with a "joined" fingerprint: it has no
 iteration of its own, so the comparison skips its iteration and checks the rest.
 """
@@ -72,38 +72,37 @@ def check(phase: int, iteration: int, plan: list[list[int]], group, device, buck
             f"what they reduce; {LIKELY_CAUSES}.\n" + "\n".join(lines))
 
 
-def check_step(reducer, phase: int) -> None:
-    """Debug mode: every rank checks that all are in the same iteration with the same buckets.
+class DesyncCheck:
+    """Debug mode's check, held by the reducer: every rank all-gathers where it is and what it reduces.
 
     Args:
-        reducer: the reducer (its iteration, plan, group, device and debug setting).
-        phase: FORWARD (before a syncing forward's collectives) or BACKWARD (at the first hook).
-            Without debug mode, or at world size 1, nothing.
+        group: the reducer's process group. Nothing is checked at world size 1.
     """
-    if not reducer.debug or reducer.world_size == 1:
-        return  # one rank agrees with itself
-    # Before a forward, the iteration it starts; in backward, the one under way.
-    iteration, bucket = (reducer.iteration, 0) if phase == BACKWARD else (reducer.iteration + 1, None)
-    check(phase, iteration, reducer.layout.plan, reducer.process_group, reducer.device, bucket,
-          lambda index: describe_bucket(reducer.layout, index))  # ranks meet here (debug mode only)
 
+    def __init__(self, group):
+        self.group = group
+        self.alone = dist.get_world_size(group) == 1  # one rank agrees with itself
 
-def check_joined(reducer, phase: int) -> None:
-    """On a rank that has joined (join.py): meet the training ranks' check(phase) with a joined fingerprint.
+    def check(self, phase: int, iteration: int, names: list[str], plan: list[list[int]],
+              device) -> None:
+        """Raise on every rank if any rank differs (ranks meet here).
 
-    Args:
-        reducer: the joined rank's Reducer (its plan, group, device and debug setting).
-        phase: FORWARD (where a training rank's forward checks) or BACKWARD (before the first bucket).
-    """
-    if reducer.debug:
+        Args:
+            phase: FORWARD (before a syncing forward's collectives; `iteration` is the one it
+                starts) or BACKWARD (at the first hook; the one under way, launching bucket 0).
+            iteration: as above, or JOINED for a rank that has joined (join.py).
+            names, plan: the reducer's parameter names and bucket plan. device: where to gather.
+        """
+        if self.alone:
+            return
         bucket = 0 if phase == BACKWARD else None
-        check(phase, JOINED, reducer.layout.plan, reducer.process_group, reducer.device, bucket,
-              lambda index: describe_bucket(reducer.layout, index))  # ranks meet here (debug mode only)
+        check(phase, iteration, plan, self.group, device, bucket,
+              lambda index: describe_bucket(names, plan, index))  # ranks meet here
 
 
-def describe_bucket(layout, index: int) -> str:
+def describe_bucket(names: list[str], plan: list[list[int]], index: int) -> str:
     """A bucket's parameters, for error messages: "3 parameter(s): fc.weight, fc.bias, ..."."""
-    names = [layout.names[i] for i in layout.plan[index]]
+    names = [names[i] for i in plan[index]]
     shown = names if len(names) <= 4 else names[:2] + ["..."] + names[-1:]
     return f"{len(names)} parameter(s): {', '.join(shown)}"
 

@@ -165,7 +165,7 @@ class ModuleRunner:
 
     def __call__(self, *inputs, **kwargs):
         target, callback = self.module, self.callback
-        if _is_compiled(target):  # minidp.DDP(torch.compile(m)): compile m again, in pieces
+        if is_compiled(target):  # minidp.DDP(torch.compile(m)): compile m again, in pieces
             target, callback = target._orig_mod, callback or target.dynamo_ctx.callback
         if not callback:  # None: nothing compiles; False: dynamo runs cached code only
             return self.module(*inputs, **kwargs)
@@ -202,12 +202,12 @@ def forward_outside_dynamo(ddp: nn.Module, inputs: tuple, kwargs: dict):
     runner = ddp._run_module
     runner.callback = get_eval_frame_callback()
     try:
-        return torch.compiler.disable(type(ddp).forward)(ddp, *inputs, **kwargs)
+        return torch.compiler.disable(type(ddp)._forward)(ddp, runner, inputs, kwargs)
     finally:
         runner.callback = None
 
 
-def _is_compiled(module: nn.Module) -> bool:
+def is_compiled(module: nn.Module) -> bool:
     """Whether `module` came from torch.compile (checked without importing torch._dynamo)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)

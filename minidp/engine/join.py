@@ -4,7 +4,8 @@ Built on torch's generic join protocol (`torch.distributed.algorithms.Join`, pub
 is a `JoinableDDP`, so inside `with model.join():`, a rank whose loop has ended waits in
 `Join.__exit__`, and for every iteration the other ranks still run, it calls our `main_hook`, which
 issues the same collectives a real iteration would, through the same code (`_sync_before_module`:
-bucket rebuild, buffer broadcast; then the "do we sync?" vote and one all-reduce of zeros per bucket).
+bucket rebuild, buffer broadcast; then the "do we sync?" vote and, by Reducer.match_joined, one
+all-reduce of zeros per bucket).
 When the last rank joins, `post_hook` broadcasts the final model from it, since the joined ranks'
 optimizers stopped stepping. Same protocol and numerics as torch DDP's join().
 """
@@ -19,8 +20,6 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from ..validate import check_bool
 from . import debug as debug_mode
 from .collectives import broadcast_coalesced, flat_chunks
-from .compat import buffers_to_sync
-from .reducer import Step
 
 
 def find_common_rank(group, device, candidate: bool) -> int:
@@ -85,7 +84,7 @@ class CountedDivisor:
 def notify_joined_ranks(ddp) -> CountedDivisor | None:
     """Before a forward under join(): tell the joined ranks (ranks meet here); join()'s divisor, if it sets one.
 
-    Outside join() nothing happens and there is no divisor (None: the reducer divides by the world size).
+    No divisor (None) means the reducer divides by the world size.
     """
     count_work = Join.notify_join_context(ddp)  # None outside join()
     if count_work is not None and not ddp.divide_by_initial_world_size:
@@ -95,10 +94,9 @@ def notify_joined_ranks(ddp) -> CountedDivisor | None:
 
 def vote_to_sync(ddp) -> None:
     """Under join(), after the buffers: a training rank's vote (async), does it sync gradients this
-    iteration? Joined ranks learn the result (learn_whether_to_sync). Outside join(): nothing."""
-    if ddp._join_config.enable:
-        vote = torch.full((1,), float(ddp.require_backward_grad_sync), device=ddp.join_device)
-        dist.all_reduce(vote, group=ddp.process_group, async_op=True)  # ranks meet here
+    iteration? Joined ranks learn the result (learn_whether_to_sync)."""
+    vote = torch.full((1,), float(ddp.require_backward_grad_sync), device=ddp.join_device)
+    dist.all_reduce(vote, group=ddp.process_group, async_op=True)  # ranks meet here
 
 
 def learn_whether_to_sync(ddp) -> bool:
@@ -106,17 +104,6 @@ def learn_whether_to_sync(ddp) -> bool:
     vote = torch.zeros(1, device=ddp.join_device)
     dist.all_reduce(vote, group=ddp.process_group)  # ranks meet here
     return vote.item() != 0
-
-
-def shadow_backward(reducer) -> None:
-    """For a rank that has joined (no more data): match one backward's collectives with zeros."""
-    debug_mode.check_joined(reducer, debug_mode.BACKWARD)  # ranks meet here (debug mode only), as the first hook
-    step = Step(reducer.layout.buckets, len(reducer.params), divisor=None)
-    for bucket in reducer.layout.buckets:  # ranks meet here: the same buckets, in the same order, as training ranks
-        step.futures.append(reducer.reduce(bucket, bucket.zeros()))
-    _, failed_ranks, _ = reducer.end_step(step, failed=False)
-    if not failed_ranks and not reducer.layout.ready_order:
-        reducer.layout.note_ready_order(range(len(reducer.params)))  # as DDP: a joined rank votes for the default
 
 
 class DDPJoinHook(JoinHook):
@@ -128,19 +115,19 @@ class DDPJoinHook(JoinHook):
     def main_hook(self) -> None:
         ddp = self.ddp
         # Ranks meet here: the same collectives, from the same code, as a training rank's forward.
-        debug_mode.check_joined(ddp.reducer, debug_mode.FORWARD)  # ranks meet here (debug mode only)
+        ddp.reducer.check_consistency(debug_mode.FORWARD, joined=True)  # debug mode only
         ddp._sync_before_module(joined=True)
         should_sync = learn_whether_to_sync(ddp)  # ranks meet here
         ddp.require_forward_param_sync = should_sync
         if should_sync:
-            shadow_backward(ddp.reducer)
+            ddp.reducer.match_joined()  # ranks meet there: one backward's buckets, with zeros
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
         src = find_common_rank(ddp.process_group, ddp.join_device, is_last_joiner)
         states = [p for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
         if ddp.broadcast_buffers:
-            states += buffers_to_sync(ddp)
+            states += ddp._buffers_to_sync()
         broadcast_coalesced(states, ddp.process_group, src=src)  # ranks meet here: the final model
 
 
@@ -172,7 +159,7 @@ class JoinableDDP(Joinable):
     @property
     def join_device(self) -> torch.device:
         """Where join()'s votes run: the module's device (there may be no bucket at world size 1)."""
-        return self.reducer.device
+        return self.device
 
     @property
     def join_process_group(self):

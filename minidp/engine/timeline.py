@@ -1,7 +1,7 @@
 """A recorder of what happens inside one step: gradients ready, buckets launched and completed.
 
-Off by default: the reducer calls a recorder whose methods do nothing (`OFF`), never `if timeline`.
-Turn it on with `model.enable_timeline()`, which gives the reducer a `ReducerRecorder` over a
+Off by default: the reducer calls a recorder whose methods do nothing (progress.py), never `if
+timeline`. Turn it on with `model.enable_timeline()`, which gives the reducer a `ReducerRecorder` over a
 Timeline; each event is (kind, time_ns, fields), time from time.perf_counter_ns() (CLOCK_MONOTONIC
 on Linux: one clock for every process on a machine).
 
@@ -9,7 +9,7 @@ Kinds the reducer records: "grad_ready" (param, bucket), "launch" (bucket), "don
 the thread that completes the communication), "backward_end", "finalize_end". A training loop may
 add its own with `record()`: "forward_start", "backward_start" and "step_end" are drawn too, and so
 are spans of any lane: "begin" and "end" with the same lane= and name= (ZeRO's step inside
-backward records its steps and broadcasts so, minidp/sharded/overlap.py).
+backward records its steps and broadcasts so, minidp/sharded/zero/overlap.py).
 
 On CUDA, "done" is when the host saw the future complete, and an NCCL future completes when the
 all-reduce is *enqueued*: its launch -> done span says nothing about the GPU. So watch(device=...)
@@ -39,6 +39,8 @@ import threading
 import time
 
 import torch
+
+from .progress import RecorderOff
 
 # Spans of the "step" lane: (name, start kind, end kind); drawn when both events exist.
 STEP_SPANS = (("forward", "forward_start", "backward_start"), ("backward", "backward_start", "backward_end"),
@@ -124,54 +126,32 @@ class Timeline:
         write_chrome_trace(path, {pid: self.snapshot()})
 
 
-class RecorderOff:
-    """What the reducer reports to when no timeline records: every method does nothing."""
-
-    def grad_ready(self, index: int) -> None:
-        pass
-
-    def launch(self, bucket: int) -> None:
-        pass
-
-    def watch(self, bucket: int, future) -> None:
-        pass
-
-    def event(self, kind: str) -> None:
-        pass
-
-
-OFF = RecorderOff()
-
-
 class ReducerRecorder(RecorderOff):
-    """The reducer's events into `timeline`, with its parameter names and bucket indices.
+    """The reducer's events into `timeline` (progress.py lists them).
 
     Args:
         timeline: where the events go.
-        reducer: the reducer reporting (its names, layout and device are read at each event).
+        device: the reducer's device (on CUDA the GPU's start and end of each bucket are recorded).
     """
 
-    def __init__(self, timeline: Timeline, reducer):
-        self.timeline, self.reducer = timeline, reducer
-        self._plan, self._bucket_of = None, {}  # parameter -> bucket index, for the current plan
+    def __init__(self, timeline: Timeline, device: torch.device):
+        self.timeline, self.device = timeline, device
         self._starts = {}  # bucket -> CUDA start event recorded at launch, until watch() takes it
 
-    def grad_ready(self, index: int) -> None:
-        plan = self.reducer.layout.plan
-        if plan is not self._plan:  # a new layout (rebuild, auto cap)
-            self._plan, self._bucket_of = plan, {i: b for b, indices in enumerate(plan) for i in indices}
-        self.timeline.record("grad_ready", param=self.reducer.names[index], bucket=self._bucket_of[index])
+    def grad_ready(self, name: str, bucket: int) -> None:
+        self.timeline.record("grad_ready", param=name, bucket=bucket)
 
-    def launch(self, bucket: int) -> None:
-        """Called before the bucket's work is queued: the host time, and on CUDA the GPU's start event."""
+    def launch(self, iteration: int, bucket: int) -> None:
+        """Called before the bucket's work is queued: the host time, and on CUDA the GPU's start."""
         self.timeline.record("launch", bucket=bucket)
-        if self.reducer.device.type == "cuda":
-            self._starts[bucket] = gpu_start_event(self.reducer.device)
+        if self.device.type == "cuda":
+            self._starts[bucket] = gpu_start_event(self.device)
 
     def watch(self, bucket: int, future) -> None:
-        self.timeline.watch(future, device=self.reducer.device, start=self._starts.pop(bucket, None), bucket=bucket)
+        start = self._starts.pop(bucket, None)
+        self.timeline.watch(future, device=self.device, start=start, bucket=bucket)
 
-    def event(self, kind: str) -> None:
+    def event(self, kind: str, iteration: int) -> None:
         """"backward_end", "finalize_end", "failed_iteration_closed"."""
         self.timeline.record(kind)
 

@@ -261,9 +261,7 @@ def timeline_of(ddp):
     """minidp.DDP's timeline while model.enable_timeline() records, else None (torch DDP: None)."""
     if not isinstance(ddp, DistributedDataParallel):
         return None
-    # the reducer's recorder: a ReducerRecorder over the timeline while one records; when off (or
-    # the watchdog's), it has no timeline
-    return getattr(ddp.reducer.recorder, "timeline", None)
+    return ddp.timeline  # set by enable_timeline(), None when off
 
 
 def record(timeline, kind: str, lane: str, name: str) -> None:
