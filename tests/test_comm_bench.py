@@ -65,17 +65,19 @@ def test_compression_study_quick_run_writes_the_study(tmp_path):
     assert payload["onebit_compression_s"] > 0 and topk["payload_cost_s"] == payload["per_payload_s"]["TopK 1%+EF"]
     assert set(exact["sweep"]) == set(topk["sweep"]) == {"0.1"} and topk["lr"] == 0.1
     assert topk["bytes_measured"] == topk["bytes_analytical"] < topk["param_bytes"] == exact["bytes_measured"]
-    assert {c["op"] for c in topk["collectives"] if not c.get("engine")} == {"all_gather"}
+    assert {c["op"] for c in topk["collectives"]} == {"all_gather"}
     assert {c["op"] for c in exact["collectives"]} == {"all_reduce"}
-    # a comm hook's step issues the hook's collectives only: minidp.DDP adds none of its own (issue 39)
-    assert not any(c.get("engine") for m in study["methods"].values() for c in m["collectives"])
+    # a method's collectives are its own (minidp.DDP adds none to a comm hook's step since 3bb5da5, issue 39):
+    # what the simulator reads of each, and nothing marked as minidp's
+    for name, m in study["methods"].items():
+        assert all(set(c) <= {"op", "bytes", "per_step", "scale", "overlap_steps"} for c in m["collectives"]), name
+        assert {c["scale"] for c in m["collectives"]} <= {"fixed", "chunk"}, name
     assert sum(c["bytes"] for c in exact["collectives"]) == exact["param_bytes"]  # every gradient, once
     assert exact["steps_to_target"] == [exact["sweep"]["0.1"][0]] and len(exact["final_val_loss"]) == 1
     param_bytes = exact["param_bytes"]
-    for name in ("DeMo", "1-bit Adam", STREAMING):  # the simulator's bytes per step: what the method counted
-        m = study["methods"][name]
-        assert sum(c["bytes"] * c["per_step"] for c in m["collectives"] if not c.get("engine")) == \
-            m["bytes_measured"], name
+    for name in ("TopK 1%+EF", "DeMo", "1-bit Adam", STREAMING):  # the simulator's bytes per step: what the
+        m = study["methods"][name]  # method counted, no more
+        assert sum(c["bytes"] * c["per_step"] for c in m["collectives"]) == m["bytes_measured"], name
     demo, onebit, streaming = (study["methods"][name] for name in ("DeMo", "1-bit Adam", STREAMING))
     assert [c["op"] for c in demo["collectives"]] == ["all_gather"] and demo["start_iter"] == 0
     assert 50 * demo["bytes_measured"] < param_bytes  # top 32 of each 64 x 64 DCT block, int16 indices
@@ -143,6 +145,26 @@ def test_each_method_takes_its_cost_from_the_newest_invocation_that_measured_it(
     # a row's mean step where recorded (work once in k steps is in the mean, not the median)
     periodic = [row("noop", 2.0, "c", 0), {**row("p", 2.0, "c", 0), "mean_step_s": 3.0}]
     assert compression_report.cost_shares(periodic, 64)[1]["p"] == pytest.approx(0.5)
+
+
+def test_the_report_reads_a_methods_collectives_from_its_newest_row_without_minidps_status(tmp_path):
+    """2026-12-04's validation rows also list minidp.DDP's status all-reduce after a comm hook (marked engine),
+    which minidp no longer issues since 3bb5da5: the study keeps the newest row's collectives but that one."""
+    gather = {"op": "all_gather", "bytes": 12_508, "per_step": 1, "scale": "fixed"}
+    status = {"op": "all_reduce", "bytes": 8, "per_step": 1, "scale": "ranks", "engine": True}
+
+    def row(method, collectives, phase="sweep"):
+        return {"phase": phase, "method": method, "lr": 0.1, "seed": 0, "world_size": 2, "steps_to_target": 200,
+                "final_val_loss": 0.7, "bytes_measured": 25_016, "bytes_analytical": 25_016, "param_bytes": 1_251_184,
+                "collectives": collectives, "method_start": 10}
+    reduce = {"op": "all_reduce", "bytes": 1_251_184, "per_step": 1, "scale": "fixed"}
+    rows = [row("exact", [reduce]), row("TopK 1%+EF", [gather]),
+            row("TopK 1%+EF", [gather, gather, status], "validate")]
+    args = compression.parse_args(["--out", str(tmp_path), "--methods", "exact,TopK 1%+EF"])
+    study = compression_report.study(args, rows, {"exact": 0.1, "TopK 1%+EF": 0.1})
+    assert study["methods"]["TopK 1%+EF"]["collectives"] == [gather, gather]  # the newest row's, less the status
+    assert compression_report._collectives(study["methods"]["TopK 1%+EF"]) == "2 all-gather"
+    assert study["methods"]["exact"]["collectives"] == [reduce]
 
 
 def test_the_validation_reads_the_newest_batch_and_fits_each_launch_probes():

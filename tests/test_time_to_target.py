@@ -103,20 +103,34 @@ def test_own_warmups_and_overlapped_syncs_follow_their_formulas():
     assert ttt.step_time(study, "streaming", n, shared) == pytest.approx(0.010 + 0.25 * sync, rel=1e-12)
 
 
-def test_the_engines_status_all_reduce_counts_in_the_validation_not_in_the_map():
-    """minidp.DDP's all-reduce after a comm hook (one int32 per rank: its input grows with N) is marked engine:
-    the map leaves it out (it compares methods), a step's prediction and the validation count it."""
+def test_every_collective_a_method_lists_counts_in_the_map_as_in_a_step():
+    """A method's collectives are its own (minidp.DDP adds none to a comm hook's step since 3bb5da5): each
+    one counts alike in a step's prediction (the validation's) and in the map; none is left out."""
+    study = _study()
+    extra = {"op": "all_reduce", "bytes": 8, "per_step": 1, "scale": "fixed"}
+    study["methods"]["topk"]["collectives"].append(extra)
+    n, net = 8, ttt.flat_network(GBIT, 15)
+    exact, _, exact_step, topk_step = _by_hand(n)
+    ring = 2 * (n - 1) * LATENCY + 2 * (n - 1) / n * 8 / BW
+    assert ttt.step_time(study, "topk", n, net) == pytest.approx(topk_step + ring, rel=1e-12)
+    topk = [9 * exact_step + (s - 10) * (topk_step + ring) for s in (212, 208)]
+    assert ttt.relative_table(study, world_sizes=(n,), bandwidths=(GBIT,))[(GBIT, n)]["topk"][0] == pytest.approx(
+        max(topk) / exact, rel=1e-12)
+
+
+def test_a_study_file_of_2026_12_04_is_read_without_minidps_status_all_reduce(tmp_path):
+    """Files written before 3bb5da5 list minidp.DDP's status all-reduce after a comm hook (marked engine, one
+    int32 per rank: scale "ranks"); load() drops it, and the model refuses a scale it does not know."""
     study = _study()
     status = {"op": "all_reduce", "bytes": 8, "per_step": 1, "scale": "ranks", "engine": True}
     study["methods"]["topk"]["collectives"].append(status)
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps(study))
+    assert ttt.load(str(path))["methods"]["topk"]["collectives"] == _study()["methods"]["topk"]["collectives"]
     n, net = 8, ttt.flat_network(GBIT, 15)
-    _, _, _, topk_step = _by_hand(n)
-    ring = 2 * (n - 1) * LATENCY + 2 * (n - 1) / n * (8 * n / 2) / BW  # 4 bytes per rank at n ranks
-    assert ttt.step_time(study, "topk", n, net) == pytest.approx(topk_step + ring, rel=1e-12)
-    assert ttt.step_time(study, "topk", n, net, engine=False) == pytest.approx(topk_step, rel=1e-12)
-    exact = _by_hand(n)[0]
-    assert ttt.relative_table(study, world_sizes=(n,), bandwidths=(GBIT,))[(GBIT, n)]["topk"][0] == pytest.approx(
-        max(_by_hand(n)[1]) / exact, rel=1e-12)
+    assert ttt.step_time(ttt.load(str(path)), "topk", n, net) == pytest.approx(_by_hand(n)[3], rel=1e-12)
+    with pytest.raises(ValueError, match=r"scale='ranks', choose from \('fixed', 'chunk'\)"):
+        ttt.step_time(study, "topk", n, net)
 
 
 def test_a_validation_run_is_predicted_for_its_own_steps_and_link():
@@ -183,6 +197,7 @@ def test_cli_prints_the_table_draws_the_plot_and_validates(tmp_path, capsys):
     (lambda s: s.pop("compute_s"), "no ['compute_s']"),
     (lambda s: s["methods"]["exact"].update(steps_to_target=[None, None, 5]), "exact never reached the target"),
     (lambda s: s["methods"].pop("topk"), "--methods: ['topk'] not in the study"),
+    (lambda s: s["methods"]["topk"]["collectives"][0].update(scale="ranks"), "scale='ranks', choose from"),
 ])
 def test_a_bad_study_file_is_named(tmp_path, capsys, change, words):
     study = _study()

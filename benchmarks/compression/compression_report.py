@@ -207,15 +207,16 @@ def study(args, rows: list, lrs: dict) -> dict:
                 and k[4] == 2 and k[3] < args.seeds]
         first = runs[0]
         start = first.get("method_start", args.start_iter)  # rows before 2026-12-04 lack it: start_iter
-        # the collectives of one step: from the newest run at world size 2 (rows before 2026-12-04's
-        # validation lack the engine's own, see compression_task.engine_collectives)
+        # the collectives of one step: from the newest run at world size 2
         newest = ([r for r in rows if r["method"] == m and r["world_size"] == 2 and r["phase"] != "cost"]
                   or [first])[-1]
+        # 2026-12-04's validation rows also list minidp.DDP's status all-reduce ("engine"): gone since 3bb5da5
+        own = [c for c in newest["collectives"] if not c.get("engine")]
         methods[m] = {
             "lr": lrs[m], "seeds": [r["seed"] for r in runs], "steps_to_target": [r["steps_to_target"] for r in runs],
             "final_val_loss": [r["final_val_loss"] for r in runs],
             "bytes_measured": first["bytes_measured"], "bytes_analytical": first["bytes_analytical"],
-            "param_bytes": first["param_bytes"], "collectives": newest["collectives"], "start_iter": start,
+            "param_bytes": first["param_bytes"], "collectives": own, "start_iter": start,
             "bytes_to_target": [bytes_to_target(first, r["steps_to_target"], start) for r in runs],
             "cost_s": _cost(m, shares, compute_1, measured.get("onebit_compression_s")),
             "payload_cost_s": payloads.get(m, 0.0),
@@ -252,10 +253,10 @@ def _spread(values, fmt="{:.0f}") -> str:
 
 
 def _collectives(m: dict) -> str:
-    """The method's collectives per step, then minidp.DDP's own (its status all-reduce after a comm hook)."""
+    """The method's collectives per step, by kind."""
     counts = {}
     for c in m["collectives"]:
-        key = ("engine " if c.get("engine") else "") + c["op"].replace("_", "-")
+        key = c["op"].replace("_", "-")
         counts[key] = counts.get(key, 0) + c["per_step"]
     return ", ".join(f"{n:g} {op}" for op, n in counts.items())
 

@@ -12,7 +12,6 @@ compressor's formula), and the collectives of one compressed step (1-bit Adam: a
 """
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 
@@ -27,8 +26,9 @@ import minidp
 class _NoWires:
     """A minidp.DDP transport that sends nothing: the compute of a step alone, with DDP's bucket copies.
 
-    Not a comm hook: after a comm hook minidp.DDP exchanges a status all-reduce every step (see
-    _EngineCalls), which would put a collective into what the validation takes for compute.
+    A transport, not a comm hook: before 3bb5da5 minidp.DDP all-reduced a status after any comm hook,
+    which would have put a collective into what the validation takes for compute. Still a transport,
+    so that the no-communication step stays the one the recorded rows measured.
     """
 
     def __init__(self):
@@ -41,26 +41,6 @@ class _NoWires:
         fut = torch.futures.Future()
         fut.set_result(tensor)  # the local gradient (the reducer's division by N follows: the values don't matter)
         return fut
-
-
-class _EngineCalls:
-    """Notes the all-reduces issued on the default group while active: minidp.DDP's own end-of-backward
-    status exchange (engine/recovery.py, after any comm hook), which a method's transport does not see
-    (the study's transports run on groups of their own)."""
-
-    def __init__(self):
-        self.calls, self._original = [], dist.all_reduce
-
-    def __enter__(self):
-        def noting(tensor, *args, group=None, **kwargs):
-            if group is None or group == dist.group.WORLD:
-                self.calls.append(("all_reduce", tensor.numel() * tensor.element_size()))
-            return self._original(tensor, *args, group=group, **kwargs)
-        dist.all_reduce = noting
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_reduce = self._original
 
 
 @torch.no_grad()
@@ -92,7 +72,7 @@ def run_one(method: str, lr: float, seed: int, text: task.Text, cfg: dict) -> di
     module = task.CharMLP(text.vocab, text.context)
     param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     spec = task.METHODS.get(method)
-    recorder = task.RecordingDist() if method in ("exact", "Adam") else None  # the engine's all-reduces, noted
+    recorder = task.RecordingDist() if method in ("exact", "Adam") else None  # DDP's bucket all-reduces, noted
     computing_only = method in ("noop", "probe")
     if spec in task.NO_DDP:  # DeMo, 1-bit Adam: their step communicates (a plain module, as their authors')
         model = module
@@ -111,7 +91,7 @@ def run_one(method: str, lr: float, seed: int, text: task.Text, cfg: dict) -> di
     times, curve, reached, snapshot = [], [], None, None
     # the collectives of a step of the method (probe) and, where they differ, of one before it (1-bit Adam)
     probes = {start + 2: "calls", **({2: "warmup_calls"} if spec == "onebit" else {})}
-    noted = {"calls": [], "warmup_calls": [], "engine_calls": []}
+    noted = {"calls": [], "warmup_calls": []}
     for step in range(cfg["steps"]):
         if step == start:
             snapshot = _counters(counter)
@@ -120,22 +100,18 @@ def run_one(method: str, lr: float, seed: int, text: task.Text, cfg: dict) -> di
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / cfg["start_iter"])
         x, y = text.batch(step, seed, cfg["global_batch"], rank, world)
-        engine = _EngineCalls() if step == start + 2 else contextlib.nullcontext()
         began = time.perf_counter()
-        with engine:
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if probe is not None:
-                dist.all_reduce(probe)  # ranks meet here: the probe's all-reduce, after this step's compute
-            opt.step()
-            if stepper is not None:
-                stepper.step()
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if probe is not None:
+            dist.all_reduce(probe)  # ranks meet here: the probe's all-reduce, after this step's compute
+        opt.step()
+        if stepper is not None:
+            stepper.step()
         times.append(time.perf_counter() - began)
         if transport is not None and step in probes:
             noted[probes[step]] = list(transport.calls)
-        if step == start + 2:
-            noted["engine_calls"] = list(engine.calls)
         if (step + 1) % cfg["eval_every"] == 0 or step + 1 == cfg["steps"]:
             if not torch.isfinite(loss):
                 curve.append((step + 1, float("nan")))
@@ -167,7 +143,7 @@ def run_one(method: str, lr: float, seed: int, text: task.Text, cfg: dict) -> di
             "method_start": start,
             **({"probe_bytes": cfg["probe_bytes"]} if probe is not None else {}),
             "collectives": [] if computing_only else task.collectives(
-                method, noted["calls"], param_bytes, world, stepper) + task.engine_collectives(noted["engine_calls"]),
+                method, noted["calls"], param_bytes, world, stepper),
             **({"warmup_collectives": task.collectives(method, noted["warmup_calls"], param_bytes, world)}
                if spec == "onebit" else {})}
 

@@ -210,14 +210,6 @@ def collectives(name: str, calls: list, param_bytes: int, world_size: int, stepp
     return out
 
 
-def engine_collectives(calls: list) -> list:
-    """minidp.DDP's own collectives of one step (its status all-reduce after a comm hook: one int32 per
-    rank), as the simulator reads them: scale "ranks" (the input grows with N), engine True (what minidp
-    adds to the method, not the method's own communication: `python -m minidp.simulate --study` leaves
-    them out of its map unless asked, its validation counts them)."""
-    return [{"op": op, "bytes": nbytes, "per_step": 1, "scale": "ranks", "engine": True} for op, nbytes in calls]
-
-
 def payload_cost(name: str, bucket_numels, repeats: int = 30) -> float:
     """Seconds one more rank's payload adds to a step: what the aggregate of a method that all-gathers
     (a single-round compressor that is not summable: TopK, QSGD) spends on each rank's payload, decompress

@@ -44,6 +44,7 @@ from .network import Link, Network, allreduce_time
 BANDWIDTHS_GBIT = (10, 25, 100, 400)
 STUDY_WORLD_SIZES = tuple(2 ** k for k in range(3, 11))  # 8 ... 1,024
 OPS = ("all_reduce", "all_gather", "all_to_all")
+SCALES = ("fixed", "chunk")
 
 
 def flat_network(gbit: float, latency_us: float = 15.0, algorithm: str = "ring") -> Network:
@@ -70,26 +71,25 @@ def collective_time(op: str, nbytes: float, world_size: int, net: Network) -> fl
 
 
 def comm_time(method: dict, world_size: int, net: Network, study_world: int, busy_s: float = 0.0,
-              collectives: list | None = None, engine: bool = True) -> float:
+              collectives: list | None = None) -> float:
     """One step's communication: each collective at its frequency, inputs rescaled to world_size
-    ("chunk": 1/N of the data; "ranks": one entry per rank; "fixed": the same).
+    ("chunk": 1/N of the data; "fixed": the same).
 
     A collective with overlap_steps k runs beside k steps of `busy_s` compute (not with net.shared_cores);
-    only what is left of it counts. collectives: default the method's. engine False: leaves out the
-    collectives marked engine (minidp.DDP's status all-reduce after a comm hook, not the method's).
+    only what is left of it counts. collectives: default the method's.
     """
     total = 0.0
     for c in method["collectives"] if collectives is None else collectives:
-        if c.get("engine") and not engine:
-            continue
-        nbytes = c["bytes"] * {"chunk": study_world / world_size, "ranks": world_size / study_world}.get(c["scale"], 1)
+        if c["scale"] not in SCALES:
+            raise ValueError(f"collective {c}: scale={c['scale']!r}, choose from {SCALES}")
+        nbytes = c["bytes"] * (study_world / world_size if c["scale"] == "chunk" else 1)
         hidden = 0.0 if net.shared_cores else c.get("overlap_steps", 0) * busy_s
         total += c["per_step"] * max(0.0, collective_time(c["op"], nbytes, world_size, net) - hidden)
     return total
 
 
 def step_time(study: dict, name: str, world_size: int, net: Network, compute_s: float | None = None,
-              compute_scale: float = 1.0, warmup: bool = False, engine: bool = True, sync_s: float = 0.0,
+              compute_scale: float = 1.0, warmup: bool = False, sync_s: float = 0.0,
               compute_1_s: float | None = None) -> float:
     """Predicted seconds of one step of method `name` (after its warm-up) at `world_size` ranks.
 
@@ -97,7 +97,6 @@ def step_time(study: dict, name: str, world_size: int, net: Network, compute_s: 
         compute_s: the compute of a step. Default None: the study's at world size 1 (study["compute_s"]["1"]).
         compute_scale: multiplies compute and the method's cost (e.g. 0.02 for a processor 50x faster). Default 1.
         warmup: a step of the method's own warm-up (its warmup_collectives) instead. Default False.
-        engine: count minidp.DDP's own collectives (comm_time). Default True.
         sync_s: what bringing the ranks into step costs, once in each step that communicates (the
             validation's second prediction: ranks sharing cores arrive at a step's first collective
             apart). Default 0.
@@ -112,9 +111,8 @@ def step_time(study: dict, name: str, world_size: int, net: Network, compute_s: 
     cost = max(0.0, method["cost_s"]) + (world_size - 1) * method.get("payload_cost_s", 0.0)
     busy = compute * compute_scale + cost * scale
     collectives = method["warmup_collectives"] if warmup else method["collectives"]
-    communicating = min(1.0, max((c["per_step"] for c in collectives if engine or not c.get("engine")), default=0))
-    return busy + sync_s * communicating + comm_time(method, world_size, net, study["world_size"], busy, collectives,
-                                                     engine)
+    communicating = min(1.0, max((c["per_step"] for c in collectives), default=0))
+    return busy + sync_s * communicating + comm_time(method, world_size, net, study["world_size"], busy, collectives)
 
 
 def time_to_target(study: dict, name: str, world_size: int, net: Network, steps: list | None = None,
@@ -145,24 +143,17 @@ def summarize(times: list) -> tuple:
 
 
 def relative_table(study: dict, world_sizes=STUDY_WORLD_SIZES, bandwidths=BANDWIDTHS_GBIT,
-                   latency_us: float = 15.0, compute_scale: float = 1.0, algorithm: str = "ring",
-                   engine: bool = False) -> dict:
-    """{(gbit, N): {method: (median, min, max) time to target over exact's median}}.
-
-    engine: count minidp.DDP's status all-reduce after a comm hook. Default False: the map compares the
-    methods, as an engine without minidp's failure check (torch DDP) would run them.
-    """
+                   latency_us: float = 15.0, compute_scale: float = 1.0, algorithm: str = "ring") -> dict:
+    """{(gbit, N): {method: (median, min, max) time to target over exact's median}}."""
     out = {}
     for gbit in bandwidths:
         net = flat_network(gbit, latency_us, algorithm)
         for n in world_sizes:
-            exact = summarize(time_to_target(study, "exact", n, net, compute_scale=compute_scale,
-                                                engine=engine))[0]
+            exact = summarize(time_to_target(study, "exact", n, net, compute_scale=compute_scale))[0]
             if math.isinf(exact):
                 raise ValueError("exact never reached the target in the study (in most seeds): nothing to compare with")
             out[(gbit, n)] = {m: tuple(t / exact for t in summarize(time_to_target(study, m, n, net,
-                                                                                    compute_scale=compute_scale,
-                                                                                    engine=engine)))
+                                                                                    compute_scale=compute_scale)))
                               for m in study["methods"]}
     return out
 
@@ -206,6 +197,8 @@ def load(path: str) -> dict:
                          "(write it with benchmarks/compression/study.py --phases report)")
     if "exact" not in study["methods"]:
         raise ValueError(f"--study {path}: no 'exact' method to compare with")
+    for method in study["methods"].values():  # 2026-12-04's files also list minidp.DDP's status all-reduce
+        method["collectives"] = [c for c in method["collectives"] if not c.get("engine")]  # gone since 3bb5da5
     return study
 
 
