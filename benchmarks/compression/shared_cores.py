@@ -17,7 +17,8 @@ rank, then the median over ranks:
   2 buckets async / sync   the study's two DDP buckets (1.24 MB, 11.7 KB): launched together and waited
                            (as DDP does), then one after the other (as the simulator adds them)
   step + a-r 16 B / 4 KiB  the "compute free" step ending in one all-reduce of 16 bytes (minidp.DDP's
-                           status at 4 ranks), then of 4 KiB (the validation's smallest probe), no barrier
+                           status at 4 ranks, after any comm hook until 3bb5da5), then of 4 KiB (the
+                           validation's smallest probe), no barrier
   all-gather / all-reduce 312 KB   QSGD 16's payload all-gathered, and all-reduced (a ring all-gather
                            of P bytes should cost less than a ring all-reduce of P: (N-1)(a + P/b)
                            against 2(N-1) a + 2(N-1)/N P/b)

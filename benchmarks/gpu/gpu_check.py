@@ -9,8 +9,9 @@ themselves: checks.py):
   engine       world size 1 on NCCL: minidp.DDP(transport=TorchDist()) against torch DDP on the MLP and
                ResNet-18 (the default path issues no collective at world size 1), bitwise; step ratio.
   status       world size 1 on NCCL: the default step's host syncs under torch.cuda.set_sync_debug_mode
-               (only the documented status read allowed) and its time, with the failed-backward status on
-               the device (the default) and on the host (recovery.status_on_host).
+               (2 in 2 steps expected: the NaN read before 3bb5da5, see checks.check_status) and its time,
+               as built and after engine.failures.status_on_host (which moves only find_unused_parameters'
+               use-count all-reduce to a gloo group: a default step has none).
   cupy         world size 1 (NCCL refuses two ranks on one GPU): CupyNccl bitwise against torch's NCCL,
                minidp.DDP(transport=CupyNccl()) against torch DDP, every compressor over it.
   compressors  two processes sharing the GPU over gloo with CUDA tensors: every compressor with error
