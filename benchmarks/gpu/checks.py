@@ -154,18 +154,15 @@ def check_status(args, counter) -> list:
             times[mode] = _median_ms([_timed_step(model, opt, batch, device) for _ in range(args.steps + 3)])
             if device.type == "cuda":
                 syncs, control = _sync_warnings(device, model, opt, batch, 2)
-        # 2: before 3bb5da5 the engine read the last bucket's first element on the host once a step.
-        # Since then (engine/failures.py) a default step reads nothing on the host: the NaN flag is
-        # copied to pinned memory behind the all-reduce and read once it has arrived (unless
-        # same_step_recovery(model): one wait a step), and tests/test_step_cost.py counts 0 reads on
-        # the CPU; this expectation is not yet updated nor rerun on a GPU. status_on_host moves only
-        # find_unused_parameters' use-count all-reduce to gloo, which a default step lacks.
-        expected = 2
+        # 0: a default step reads nothing on the host (engine/failures.py: the NaN flag is copied
+        # to pinned memory behind the all-reduce and read once it has arrived); status_on_host moves
+        # only find_unused_parameters' use-count all-reduce to gloo, which a default step lacks.
+        expected = 0
         if device.type != "cuda":
             ok, verdict = True, "host syncs not checked on cpu"
         else:
             ok = control and syncs == expected
-            verdict = (f"{syncs} host syncs in 2 steps (documented: {expected}, the NaN check's read)"
+            verdict = (f"{syncs} host syncs in 2 steps (documented: {expected})"
                        + ("" if control else "; the detector missed a known .item(): cannot tell"))
         rows.append(row(f"default step, status on the {mode}", ok, f"{verdict}; step {times[mode]:.2f} ms", seen[0]))
     ratio = times["host"] / times["device"]
