@@ -127,6 +127,19 @@ def _train(engine, cfg, fail: bool, steps=STEPS):
     return snapshot(model), errors
 
 
+def _try_step(model, opt, batch, armed: bool, errors: list, step) -> None:
+    """One step whose backward raises if `armed`: the error is noted and the step skipped."""
+    RaiseInBackward.armed = armed
+    try:
+        nn.functional.mse_loss(model(batch[0]), batch[1]).backward()
+        opt.step()
+    except RuntimeError as exc:  # as after a caught out-of-memory
+        errors.append((step, str(exc)))
+    finally:
+        RaiseInBackward.armed = False
+    opt.zero_grad()
+
+
 def _train_local(engine, method: str, fail: bool):
     """Local SGD or DiLoCo, 7 steps; rank 1 raises in the backward of step 2 (fail) or skips that
     step (the reference). Every rank calls the method's step() after each step, failed ones too, so
@@ -142,18 +155,8 @@ def _train_local(engine, method: str, fail: bool):
         x, y = shard_of((torch.randn(world_size * SHARD, 8, generator=gen),
                          torch.randn(world_size * SHARD, 4, generator=gen)), rank, SHARD)
         failing = step == 2 and rank == 1
-        if failing and not fail:
-            method_.step()
-            continue
-        RaiseInBackward.armed = fail and failing
-        try:
-            nn.functional.mse_loss(wrapped(x), y).backward()
-            opt.step()
-        except RuntimeError as exc:
-            errors.append((step, str(exc)))
-        finally:
-            RaiseInBackward.armed = False
-        opt.zero_grad()
+        if not (failing and not fail):
+            _try_step(wrapped, opt, (x, y), fail and failing, errors, step)
         method_.step()
     if method == "local_sgd":
         method_.average()  # ranks meet here
@@ -311,15 +314,8 @@ def _late_flag_worker():
         model = minidp.DDP(Net(), bucket_cap_mb=CAP_MB)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         for step in range(3):
-            RaiseInBackward.armed = step == 2 and rank == 1
-            try:
-                nn.functional.mse_loss(model(torch.randn(SHARD, 8)), torch.randn(SHARD, 4)).backward()
-                opt.step()
-            except RuntimeError as exc:
-                errors.append((step, str(exc)))
-            finally:
-                RaiseInBackward.armed = False
-            opt.zero_grad()
+            batch = torch.randn(SHARD, 8), torch.randn(SHARD, 4)
+            _try_step(model, opt, batch, step == 2 and rank == 1, errors, step)
         try:
             with torch.no_grad():
                 model(torch.randn(SHARD, 8))  # rank 1 closes its step here; rank 0 learns of it

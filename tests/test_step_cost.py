@@ -183,20 +183,13 @@ def counted(request):
     return run_ranks(_worker, request.param, timeout=240)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_a_step_issues_the_collectives_torch_ddp_issues(counted, case):
+@pytest.mark.parametrize("kind,name", [("cases", c) for c in CASES] + [("hooks", h) for h in HOOKS])
+def test_a_step_issues_the_collectives_torch_ddp_issues(counted, kind, name):
+    """A step after the rebuild, per mode, and under each comm hook: the hook's collectives only."""
     for rank, result in enumerate(counted):
-        ours, theirs = result["cases"][case]["minidp"], result["cases"][case]["torch"]
-        assert sum(theirs.values()) > 0, f"{case}: torch DDP issued no collective: the count sees nothing"
-        assert ours == theirs, f"{case}, rank {rank}: minidp {ours}, torch DDP {theirs}"
-
-
-@pytest.mark.parametrize("hook", list(HOOKS))
-def test_a_comm_hook_step_issues_only_the_hooks_collectives(counted, hook):
-    for rank, result in enumerate(counted):
-        ours, theirs = result["hooks"][hook]["minidp"], result["hooks"][hook]["torch"]
-        assert sum(theirs.values()) > 0, f"{hook}: torch DDP issued no collective: the count sees nothing"
-        assert ours == theirs, f"{hook}, rank {rank}: minidp {ours}, torch DDP {theirs}"
+        ours, theirs = result[kind][name]["minidp"], result[kind][name]["torch"]
+        assert sum(theirs.values()) > 0, f"{name}: torch DDP issued no collective: the count sees nothing"
+        assert ours == theirs, f"{name}, rank {rank}: minidp {ours}, torch DDP {theirs}"
 
 
 @pytest.mark.parametrize("method", list(LOCAL))

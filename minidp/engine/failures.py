@@ -34,15 +34,15 @@ class FailureBoard:
 
     Args:
         process_group: the reducer's group (its name keys the posts).
-        world_size: its size.
+        rank, world_size: this rank's place in it, and its size.
     """
 
-    def __init__(self, process_group, world_size: int):
+    def __init__(self, process_group, rank: int, world_size: int):
         store = dist.distributed_c10d._get_default_store()  # torch has no public accessor
         base = f"minidp/ddp/{getattr(process_group, 'group_name', '')}/{world_size}"
-        # The n-th minidp.DDP built on this group, the same number on every rank: building one is a
-        # collective, so no rank counts its (n+1)-th before every rank counted its n-th.
-        number = (store.add(f"{base}/built", 1) - 1) // world_size  # a counter, not a collective
+        # The n-th minidp.DDP this rank built on this group (unpickled copies too): every rank
+        # builds its wrappers in the same order, so the n-th is the same wrapper on every rank.
+        number = store.add(f"{base}/built/{rank}", 1)  # a counter of this rank's, no collective
         self.store = dist.PrefixStore(f"{base}/{number}/", store)
         self.world_size = world_size
 

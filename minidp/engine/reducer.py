@@ -58,7 +58,8 @@ class Reducer:
         self.verdicts = failures.Verdicts()  # each step's NaN flag, on its way to the host
         self.wait_every_step = False  # wait for each flag (failures.same_step_recovery)
         alone = self.world_size == 1
-        self.board = None if alone else failures.FailureBoard(process_group, self.world_size)
+        self.board = None if alone else failures.FailureBoard(process_group, self.rank,
+                                                                self.world_size)
         self.layout = BucketLayout(self.params, self.names, mode, process_group=process_group,
                                    allocate=self.world_size > 1 or transport is not None)
         for i, p in enumerate(self.params):
