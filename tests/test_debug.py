@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
 from harness import error_of, run_ranks
-from minidp.engine import debug as debug_mode
+from minidp.engine import collectives as debug_mode  # debug mode's per-step check
 from models import build, input_shape
 from training import max_abs_diff, mean_square, rank_batches, snapshot, train
 

@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_sequence
 
 import minidp
 from harness import run_ranks
-from minidp.engine.devices import move_inputs
+from minidp.engine.arguments import move_inputs
 
 Batch = namedtuple("Batch", ["x", "mask", "name"])
 

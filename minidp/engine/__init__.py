@@ -12,18 +12,17 @@ First read, every file a default step runs through:
   hooks.py        GradBucket, the default all-reduce hook, torch DDP's checks of a comm hook
   failures.py     a backward that raised on one rank, learned by the others with no host read
   progress.py     what a step reports: the watchdog's progress, torch's logging samples
-  collectives.py  coalesced broadcast, cross-rank agreement checks
+  collectives.py  coalesced broadcast, cross-rank agreement checks (debug mode's, last)
 Second read, one file per mode or feature, each saying what it changes in the core:
-  arguments.py    the constructor's checks before any collective, and choose(): the mode's policies
+  arguments.py    the constructor's checks before any collective, choose(): the mode's policies,
+                  and with device_ids each forward's inputs moved to the module's device
   planning.py     DDP's bucket layout rules (no torch)
   readiness.py    find_unused_parameters, skip_all_reduce_unused_params, static_graph
   bucket_kinds.py gradient_as_bucket_view, sparse gradients, mixed_precision: other bucket kinds
   join.py         uneven inputs on torch's Join protocol, and join()'s divisor
-  debug.py        debug mode: per-step fingerprints of what each rank reduces
   timeline.py     the event recorder behind model.enable_timeline()
   compat.py       the torch-compat surface: torch DDP's attributes, legacy helpers, pickling, logging
   delayed.py      delay_all_reduce_named_params: parameters averaged apart, at a chosen hook
-  devices.py      with device_ids: inputs moved to the module's device as DDP does
   graph_split.py  a torch.compile backend that cuts the graph at bucket boundaries, so gradients
                   arrive during backward under torch.compile, in both wrapping orders
 """

@@ -2,7 +2,8 @@
 
 First the checks (arguments, devices, device_mesh, transport); then `choose`, which turns the mode
 keywords into the policies the reducer and its layout are given (a `Mode`), so no first-read file
-tests a mode.
+tests a mode. Last, `move_inputs`: with device_ids, each forward's inputs go to the module's device,
+as torch DDP moves them (`_recursive_to`).
 
 A bad argument raises on every rank before the ranks meet (TypeError for a wrong type, ValueError for
 a wrong value, torch DDP's RuntimeError where torch raises one), so no rank waits in a collective that
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parameter import is_lazy
+from torch.nn.utils.rnn import PackedSequence
 
 from ..validate import check_bool, check_number
 from . import planning
@@ -33,7 +35,6 @@ from .bucket_kinds import (
     sparse_gradient_flags,
 )
 from .buckets import Bucket
-from .compat import ignored_names
 from .delayed import check_delayed
 from .hooks import Transport
 from .layout import AutoCap, check_cap_list, limits_of
@@ -66,6 +67,13 @@ def group_of_mesh(device_mesh, process_group):
     if device_mesh.ndim != 1:
         raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
     return device_mesh.get_group(mesh_dim=0)
+
+
+def ignored_names(module: nn.Module, keywords: dict) -> set:
+    """The names set by _set_params_and_buffers_to_ignore_for_model: neither broadcast nor averaged by
+    the reducer; with them, as in torch DDP, delay_all_reduce_named_params' (delayed.py averages those)."""
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | set(
+        keywords.get("delay_all_reduce_named_params") or ())
 
 
 def check_arguments(module, bucket_cap_mb, process_group, flags: dict, torch_later: dict, constructor) -> dict:
@@ -260,3 +268,32 @@ def new_bucket(index: int, param_indices: list[int], params: list, sparse: bool,
     """A bucket of the mode's kind: a sparse gradient's own, else `dense`."""
     kind = SparseBucket if sparse else dense
     return kind(index, param_indices, params)
+
+
+def move_inputs(obj, device: torch.device):
+    """Move the tensors in a forward's inputs to `device`, as torch DDP does with device_ids (`_recursive_to`).
+
+    As in DDP: the copy is a plain, blocking `.to(device)` (never non_blocking); tensors and
+    PackedSequences already there, and containers holding only such things, are returned as they
+    are; namedtuples (PackedSequence too) and dict subclasses keep their type; anything else,
+    dataclasses included, is passed unchanged. (DDP copies from another GPU on a side stream;
+    here such a copy runs on the current stream, so it needs no extra synchronisation.)
+
+    Args:
+        obj: the positional inputs (a tuple) or keyword inputs (a dict), nested as the module likes.
+        device: the module's device (device_ids[0]).
+    """
+    if isinstance(obj, (torch.Tensor, PackedSequence)):
+        here = obj.data.device if isinstance(obj, PackedSequence) else obj.device
+        return obj if here == device else obj.to(device)
+    if not isinstance(obj, (tuple, list, dict)):
+        return obj
+    items = list(obj.values()) if isinstance(obj, dict) else list(obj)
+    moved = [move_inputs(item, device) for item in items]
+    if all(m is i for m, i in zip(moved, items)):
+        return obj
+    if isinstance(obj, dict):
+        return type(obj)(zip(obj.keys(), moved))
+    if hasattr(obj, "_fields") and hasattr(obj, "_asdict"):  # a namedtuple
+        return type(obj)(*moved)
+    return tuple(moved) if isinstance(obj, tuple) else moved  # DDP rebuilds plain tuples and lists

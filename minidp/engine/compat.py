@@ -3,7 +3,7 @@
 Scripts and libraries written for torch DDP read its attributes, call its legacy helpers and private
 APIs, pickle it, mark parameters to ignore, and read its logging dictionary. None of this is needed
 to average gradients; it is here, so that ddp.py shows the engine alone: the wrapper's constructor
-calls the functions (`ignored_names`, `buffer_sync`, `set_torch_attributes`), its forward
+calls the functions (`buffer_sync`, `set_torch_attributes`), its forward
 and the methods torch DDP has are those of `TorchCompat`, a base class of
 minidp.DistributedDataParallel. The logging dictionary (`_get_ddp_logging_data`) is after it.
 """
@@ -17,18 +17,11 @@ from torch import nn
 from torch._utils import _get_device_index
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
+from .arguments import move_inputs
 from .delayed import DelayedAllReduce
-from .devices import move_inputs
 from .hooks import check_comm_hook
 from .progress import RuntimeSamples, bucket_sizes
 from .readiness import StaticGraph
-
-
-def ignored_names(module: nn.Module, keywords: dict) -> set:
-    """The names set by _set_params_and_buffers_to_ignore_for_model: neither broadcast nor averaged by
-    the reducer; with them, as in torch DDP, delay_all_reduce_named_params' (delayed.py averages those)."""
-    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | set(
-        keywords.get("delay_all_reduce_named_params") or ())
 
 
 def buffer_sync(broadcast_buffers, forward_sync_buffers) -> tuple[bool, bool]:

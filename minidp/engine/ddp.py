@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import nn
 
 from . import compat, join
-from . import debug as debug_mode
 from .arguments import (
     Mode,
     check_arguments,
@@ -25,10 +24,11 @@ from .arguments import (
     check_transport,
     choose,
     group_of_mesh,
+    ignored_names,
+    move_inputs,
 )
-from .collectives import broadcast_coalesced, check_same_model
+from .collectives import FORWARD, broadcast_coalesced, check_same_model, debug_from_env
 from .compat import TorchCompat
-from .devices import move_inputs
 from .graph_split import ModuleRunner, forward_outside_dynamo, is_compiled
 from .hooks import hook_name
 from .join import JoinableDDP
@@ -44,7 +44,7 @@ class DistributedDataParallel(TorchCompat, JoinableDDP, nn.Module):
         (25 MiB, the first bucket 1 MiB), find_unused_parameters, gradient_as_bucket_view,
         static_graph (output_device, dim, check_reduction ignored, as in torch); minidp's own:
         bucket_cap_mb="auto": time a few caps in the first steps, keep the fastest (layout.py);
-        debug: check every step that all ranks reduce the same thing (debug.py). Default:
+        debug: check every step that all ranks reduce the same thing (collectives.py). Default:
         MINIDP_DEBUG=1; transport: a minidp.comm transport for the default all-reduce. Default None.
 
     Example:
@@ -68,7 +68,7 @@ class DistributedDataParallel(TorchCompat, JoinableDDP, nn.Module):
                      forward_sync_buffers=forward_sync_buffers, batched_grad_copy=batched_grad_copy)
         self.torch_keywords = check_arguments(module, bucket_cap_mb, process_group, flags,
                                               torch_later, constructor=type(self).__init__)
-        ignored = compat.ignored_names(module, self.torch_keywords)  # not broadcast nor averaged
+        ignored = ignored_names(module, self.torch_keywords)  # not broadcast nor averaged
         self.parameters_to_ignore = ignored
         all_named = [(n, p) for n, p in module.named_parameters() if n not in ignored]
         named_buffers = {n: b for n, b in module.named_buffers() if n not in ignored}
@@ -90,7 +90,7 @@ class DistributedDataParallel(TorchCompat, JoinableDDP, nn.Module):
         self.broadcast_buffers = in_forward
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # whether the next forward broadcasts buffers
-        self.debug = debug_mode.debug_from_env() if debug is None else debug
+        self.debug = debug_from_env() if debug is None else debug
         self.has_buffers = bool(named_buffers)  # else skip the walk on every forward
         self.transport = check_transport(transport, module, self.process_group)
         compat.set_torch_attributes(self, output_device, dim, batched_grad_copy, device_mesh)
@@ -152,7 +152,7 @@ class DistributedDataParallel(TorchCompat, JoinableDDP, nn.Module):
         # Under join(), ranks meet there: who still trains? (None: divide by the world size)
         divisor = join.notify_joined_ranks(self) if under_join else None
         if syncing or under_join:  # under join(): always (joined ranks can't know)
-            self.reducer.check_consistency(debug_mode.FORWARD)  # ranks meet there in debug mode
+            self.reducer.check_consistency(FORWARD)  # ranks meet there in debug mode
         self._sync_before_module(joined=False)
         if under_join:
             join.vote_to_sync(self)  # ranks meet there: do we sync gradients this time?

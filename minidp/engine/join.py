@@ -18,8 +18,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..validate import check_bool
-from . import debug as debug_mode
-from .collectives import broadcast_coalesced, flat_chunks
+from .collectives import FORWARD, broadcast_coalesced, flat_chunks
 
 
 def find_common_rank(group, device, candidate: bool) -> int:
@@ -115,7 +114,7 @@ class DDPJoinHook(JoinHook):
     def main_hook(self) -> None:
         ddp = self.ddp
         # Ranks meet here: the same collectives, from the same code, as a training rank's forward.
-        ddp.reducer.check_consistency(debug_mode.FORWARD, joined=True)  # debug mode only
+        ddp.reducer.check_consistency(FORWARD, joined=True)  # debug mode only
         ddp._sync_before_module(joined=True)
         should_sync = learn_whether_to_sync(ddp)  # ranks meet here
         ddp.require_forward_param_sync = should_sync

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from . import debug as debug_mode
 from . import failures
 from .buckets import Divisor
+from .collectives import BACKWARD, FORWARD, JOINED, LIKELY_CAUSES, DesyncCheck, describe_bucket
 from .hooks import GradBucket, allreduce_sum_hook, bucket_result, call_comm_hook
 from .layout import BucketLayout
 from .progress import recorder_for, report
@@ -48,7 +48,7 @@ class Reducer:
         self.comm_hook = None   # None: the default path (allreduce_sum_hook)
         self.comm_state = None  # what the comm hook gets as its `state`
         self.recorder = recorder_for(self.world_size)  # the watchdog's progress, a timeline, or OFF
-        self.desync_check = debug_mode.DesyncCheck(process_group) if debug else None
+        self.desync_check = DesyncCheck(process_group) if debug else None
         self.iteration = 0   # synced steps armed
         self.completed = 0   # synced steps completed on every rank
         self.skipped_buckets = 0  # in the last step (skip_all_reduce_unused_params)
@@ -101,7 +101,7 @@ class Reducer:
         Variable._execution_engine.queue_callback(self.finalize)
         step.started = True
         self.open_step = step
-        self.check_consistency(debug_mode.BACKWARD)  # ranks meet there in debug mode only
+        self.check_consistency(BACKWARD)  # ranks meet there in debug mode only
         zeros = self.readiness.at_first_hook(step)  # static_graph: this rank's unused parameters
         for index in zeros:
             step.ready[index] = True
@@ -216,10 +216,10 @@ class Reducer:
             value = future.wait()
         except RuntimeError as exc:
             what = f"the all-reduce of bucket {bucket.index}"
-            describe = debug_mode.describe_bucket(self.names, self.layout.plan, bucket.index)
+            describe = describe_bucket(self.names, self.layout.plan, bucket.index)
             raise RuntimeError(
                 f"minidp.DDP on rank {self.rank}: iteration {self.iteration}: {what} [{describe}] "
-                f"failed; likely {debug_mode.LIKELY_CAUSES} (MINIDP_DEBUG=1 checks every step). "
+                f"failed; likely {LIKELY_CAUSES} (MINIDP_DEBUG=1 checks every step). "
                 f"Cause: {exc}" + report(what)) from exc
         if self.comm_hook is None or bucket.sparse:
             return value[0] if isinstance(value, list) else value  # a collective's: [tensor]
@@ -290,20 +290,20 @@ class Reducer:
             what = "the end-of-backward status all-reduce"
             raise RuntimeError(
                 f"minidp.DDP on rank {self.rank}: iteration {self.iteration}: {what} failed; "
-                f"likely {debug_mode.LIKELY_CAUSES}, or a rank's backward raised and it ran no "
+                f"likely {LIKELY_CAUSES}, or a rank's backward raised and it ran no "
                 f"forward afterwards (MINIDP_DEBUG=1 checks every step). Cause: {exc}"
                 + report(what)) from exc
 
     def check_consistency(self, phase: int, joined: bool = False) -> None:
-        """Debug mode: every rank checks that all are at the same place (debug.py); else nothing."""
+        """Debug mode: every rank checks that all are at the same place (collectives.py)."""
         if self.desync_check is not None:  # ranks meet there
-            forward = phase == debug_mode.FORWARD  # before the forward of the next iteration
-            iteration = debug_mode.JOINED if joined else self.iteration + forward
+            forward = phase == FORWARD  # before the forward of the next iteration
+            iteration = JOINED if joined else self.iteration + forward
             self.desync_check.check(phase, iteration, self.names, self.layout.plan, self.device)
 
     def match_joined(self) -> None:
         """A rank that has joined (no more data, join.py): one backward's collectives, in zeros."""
-        self.check_consistency(debug_mode.BACKWARD, joined=True)  # ranks meet there (debug mode)
+        self.check_consistency(BACKWARD, joined=True)  # ranks meet there (debug mode)
         step = Step(self.layout.buckets, len(self.params), divisor=None)
         for bucket in self.layout.buckets:  # ranks meet here: the training ranks' buckets, in order
             step.futures.append(self.reduce(bucket, bucket.zeros()))
