@@ -193,7 +193,7 @@ def check_sync_batchnorm(module: torch.nn.Module, device: torch.device | None) -
 
 # The wrapper's mode keywords, read in one place: what the core is given instead of `if mode` branches.
 #
-# What it changes in the core: nothing; it picks. The reducer asks a readiness policy (reducer.py's
+# What it changes in the core: nothing; it picks. The reducer asks a readiness policy (step.py's
 # EveryParameter, or readiness.py's); the layout makes its buckets with a factory (buckets.py, or
 # bucket_kinds.py, which also says which gradients are sparse), cuts them by a list of limits
 # (planning.py, or layout.py's bucket_cap_mb_list limits) and lets a tuner change its cap (layout.py's
@@ -203,7 +203,7 @@ def check_sync_batchnorm(module: torch.nn.Module, device: torch.device | None) -
 class Mode(NamedTuple):
     """What `choose` gives the reducer (readiness) and its layout (the rest).
 
-    readiness: the policy the reducer asks whether a gradient is final (reducer.py, readiness.py).
+    readiness: the policy the reducer asks whether a gradient is final (step.py, readiness.py).
     sparse: by parameter, whether its gradient is sparse: a bucket of its own and kind.
     new_bucket: (index, param_indices, params, sparse) -> a bucket of the mode's kind.
     needs_rebuild: torch's `static_graph or not find_unused_parameters`: rebuilt once, in ready order.

@@ -1,6 +1,6 @@
 """minidp.DistributedDataParallel: the nn.Module wrapper. Construct, forward, no_sync, comm hooks.
 
-A drop-in for torch DDP: same keywords, `.module`, state_dict keys. The averaging is reducer.py's.
+A drop-in for torch DDP: same keywords, `.module`, state_dict keys. The averaging is the Reducer's.
 The other methods are its two base classes', second read: what torch DDP has (_set_static_graph,
 _register_builtin_comm_hook, pickling, to_kwargs, ...) in compat.py; join() and the Join protocol
 in join.py. The constructor and forward call none of them: only second-read modules' functions,

@@ -1,6 +1,6 @@
 """The readiness policies of the modes: find_unused_parameters, skip_all_reduce_unused_params, static_graph.
 
-The reducer asks its policy the same few questions, and never tests a mode itself (reducer.py's
+The reducer asks its policy the same few questions, and never tests a mode itself (step.py's
 `EveryParameter`, the default, lists them). arguments.choose picks one from the wrapper's keywords:
   FindUnused    find_unused_parameters=True: a parameter without a gradient on this rank is reduced
                 as zeros; the step all-reduces each parameter's use count, as torch DDP's unused-
@@ -72,7 +72,7 @@ class SkipUnused(FindUnused):
 # no find_unused_parameters bookkeeping each step), and a parameter's gradient hook may fire several
 # times in one backward (reentrant activation checkpointing): the parameter is ready at its last hook.
 #
-# How, as torch's reducer does it (reducer.cpp: delay_all_reduce, autograd_hook), as a readiness
+# How, as torch's reducer does it (`Reducer::delay_all_reduce`, `autograd_hook`), as a readiness
 # policy (the questions reducer.EveryParameter lists):
 #   * the first synced backward only counts each parameter's hooks; at its end every gradient goes
 #     into its bucket (zeros where there was none) and every bucket is reduced. A use count exchanged
