@@ -236,7 +236,7 @@ class MixedPrecisionState:
 
     def before_forward(self, module, args, kwargs):
         """Low-precision copies in place of the parameters' data; floating inputs cast down."""
-        if self.ddp.reducer.has_comm_hook():
+        if self.ddp._comm_hook is not None:  # a hook registered on the wrapper
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called "
                                "once. minidp: mixed_precision reduces the buckets itself, as torch "
                                "DDP, whose mixed precision registers its own hook")

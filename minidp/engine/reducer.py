@@ -324,9 +324,6 @@ class Reducer:
         """Buckets from now on, also at world size 1 (where the default path needs none)."""
         self.layout.allocate_buffers()
 
-    def has_comm_hook(self) -> bool:
-        return self.comm_hook is not None
-
     def exchange_status_on(self, group) -> None:
         """The group the status goes over (failures.status_on_host); None: the reducer's."""
         self.status_group = group
