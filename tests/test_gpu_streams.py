@@ -176,7 +176,7 @@ def _step(model, opt, x, y):
 
 
 # name -> (engine, DDP keywords, comm hook or None). World size 1 on NCCL (one GPU): the transport or
-# the hook gives minidp buckets there, so its end-of-step NaN flag (engine/failures.py) is made too.
+# the hook gives minidp buckets there (no NaN flag: at world size 1 nobody else can fail).
 SYNC_CASES = {
     "minidp transport": (minidp.DDP, {"transport": "TorchDist"}, None),
     "minidp hook": (minidp.DDP, {}, "allreduce"),

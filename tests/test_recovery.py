@@ -299,36 +299,50 @@ def test_a_flag_is_read_once_it_has_arrived_and_waited_for_only_when_asked():
 
 def _late_flag_worker():
     """Rank 1 raises in the backward of step 2; rank 0's NaN flag reaches the host late (as a GPU's
-    can): its step goes on, and its next forward raises, naming rank 1 and what may have happened."""
+    can): its step goes on, and its next forward raises, naming rank 1 and what may have happened.
+    Then the same with same_step_recovery(model): rank 0 waits for the flag and raises in step 2."""
     record = Verdicts.record
 
     def record_late(self, iteration, flag):
         record(self, iteration, flag)
         index, host, _ = self.pending.pop()
-        self.pending.append((index, host, _ArrivesLater()))
+        self.pending.append((index, host, _ArrivesLater()))  # on the host at the next look
 
     Verdicts.record = record_late
     try:
-        rank, errors = dist.get_rank(), []
-        torch.manual_seed(0)
-        model = minidp.DDP(Net(), bucket_cap_mb=CAP_MB)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        for step in range(3):
-            batch = torch.randn(SHARD, 8), torch.randn(SHARD, 4)
-            _try_step(model, opt, batch, step == 2 and rank == 1, errors, step)
-        try:
-            with torch.no_grad():
-                model(torch.randn(SHARD, 8))  # rank 1 closes its step here; rank 0 learns of it
-        except RuntimeError as exc:
-            errors.append(("eval", str(exc)))
-        return errors
+        return {same_step: _fail_at_step_2(same_step) for same_step in (False, True)}
     finally:
         Verdicts.record = record
 
 
-def test_a_flag_that_arrives_late_raises_at_the_next_forward():
-    rank0, rank1 = run_ranks(_late_flag_worker, 2, timeout=120)
+def _fail_at_step_2(same_step: bool) -> list:
+    rank, errors = dist.get_rank(), []
+    torch.manual_seed(0)
+    model = minidp.DDP(Net(), bucket_cap_mb=CAP_MB)
+    if same_step:
+        failures.same_step_recovery(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(3):
+        batch = torch.randn(SHARD, 8), torch.randn(SHARD, 4)
+        _try_step(model, opt, batch, step == 2 and rank == 1, errors, step)
+    try:
+        with torch.no_grad():
+            model(torch.randn(SHARD, 8))  # rank 1 closes its step here; rank 0 learns of it
+    except RuntimeError as exc:
+        errors.append(("eval", str(exc)))
+    return errors
+
+
+def test_a_flag_that_arrives_late_raises_at_a_later_forward():
+    rank0, rank1 = (result[False] for result in run_ranks(_late_flag_worker, 2, timeout=120))
     assert [step for step, _ in rank1] == [2] and "failed on purpose" in rank1[0][1]
     assert [step for step, _ in rank0] == ["eval"], rank0
     assert "iteration 3 raised on rank(s) [1]; this rank learned it at iteration 3" in rank0[0][1]
-    assert "same_step_recovery" in rank0[0][1] and failures.same_step_recovery
+    assert "same_step_recovery" in rank0[0][1]
+
+
+def test_same_step_recovery_waits_for_the_flag_and_raises_in_the_failed_step():
+    rank0, rank1 = (result[True] for result in run_ranks(_late_flag_worker, 2, timeout=120))
+    assert [step for step, _ in rank1] == [2] and "failed on purpose" in rank1[0][1]
+    assert [step for step, _ in rank0] == [2], rank0
+    assert "iteration 3 raised on rank(s) [1], so every rank discards" in rank0[0][1]

@@ -252,8 +252,8 @@ class Reducer:
         mode exchanges one, else from this step's NaN flag if it is on the host already."""
         if self._needs_status():
             return self._exchange_status(step, failed=False)  # ranks meet here
-        if not results:
-            return [], None  # world size 1: nobody else to hear from
+        if self.board is None:
+            return [], None  # world size 1: nobody else to hear from, no flag to make
         last = results[-1].reshape(-1)
         # A comm hook may move the failed rank's NaNs anywhere in the bucket: look at all of it.
         flag = torch.isnan(last).any().reshape(1) if self.comm_hook else torch.isnan(last[:1])
