@@ -24,6 +24,7 @@ import traceback
 from typing import List, Optional
 
 from .spawn import check_topology, free_port
+from .replicas import run_replicas
 from .supervisor import Worker, WorkerFailed, supervise, terminate
 from .worker import die_with_parent, exit_now, worker_env, write_error
 
@@ -66,6 +67,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                    help="on a worker's failure, restart all workers up to this many times (default 0)")
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
+    p.add_argument("--ft", action="store_true",
+                   help="fault-tolerant replicas (minidp.ft): a coordinator, one process per replica, a dead "
+                        "replica restarted alone and healed from a live peer")
+    p.add_argument("--min-replicas", "--min_replicas", type=int, default=1,
+                   help="with --ft: the fewest replicas a round trains with (default 1)")
+    p.add_argument("--join-timeout", "--join_timeout", type=float, default=5.0,
+                   help="with --ft: seconds a round waits for a silent replica before leaving it out (default 5)")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p.parse_args(argv)
@@ -114,7 +122,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise ValueError(f"script={a.script!r} is not a file")
     if a.max_restarts < 0:
         raise ValueError(f"--max-restarts {a.max_restarts} must be >= 0")
+    if a.ft:
+        return _run_ft(a)
     return _run_attempts(a)
+
+
+def _run_ft(a: argparse.Namespace) -> int:
+    """--ft: the replicas' launcher (replicas.py), after its own checks."""
+    if a.nnodes != 1:
+        raise ValueError(f"--ft with --nnodes {a.nnodes}: run one `python -m minidp.ft.coordinator` and a "
+                         "launcher per replica group (see the README's fault-tolerance section)")
+    if not 1 <= a.min_replicas <= a.nproc_per_node:
+        raise ValueError(f"--min-replicas {a.min_replicas} must be between 1 and --nproc-per-node "
+                         f"{a.nproc_per_node} (the replicas there are)")
+    if a.join_timeout <= 0:
+        raise ValueError(f"--join-timeout {a.join_timeout} must be > 0")
+    code = "from minidp.launcher.cli import _run_script_as_worker as r; import sys; r(sys.argv[1], sys.argv[2:])"
+    return run_replicas(a, code)
 
 
 def _run_attempts(a: argparse.Namespace) -> int:

@@ -1,0 +1,295 @@
+"""One replica of a fault-tolerant run: asks each round's quorum, trains, votes, heals when behind.
+
+    replica = ft.Replica(model, ft.AverageGradients(optimizer), ft.SampleStream(len(data), 32))
+    while replica.committed < steps:
+        with replica.step() as r:                      # ranks meet: the round's quorum (heals first if behind)
+            x, y = data[r.indices()]
+            loss_fn(model(x), y).backward()
+        # leaving the block: the mean over the participants, the vote, then the optimizer's step
+        # on every participant, or on none (an exception in the block is a "no" vote, not a crash)
+    replica.close()
+
+The coordinator's address and this replica's id come from the arguments or from
+MINIDP_FT_COORDINATOR ("host:port") and MINIDP_FT_REPLICA_ID, which `python -m minidp.run --ft` sets.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..validate import check_int, check_number
+from .membership import HEARTBEAT_S, LEASE_S
+from .transfer import StateServer, fetch_state, first_mismatch, signature
+
+
+class Replica:
+    """This process's membership in a fault-tolerant run.
+
+    Args:
+        model: the module trained (a plain module, or minidp.DDP over this replica's own ranks).
+        policy: ft.AverageGradients(optimizer) or ft.DiLoCo(inner, outer, period).
+        stream: ft.SampleStream, the run's position in its data (healed with the rest), or None.
+        replica_id: this replica's id, >= 0. Default None: MINIDP_FT_REPLICA_ID.
+        coordinator: "host:port" of the coordinator's store. Default None: MINIDP_FT_COORDINATOR.
+        timeout: seconds a collective between replicas, or a state transfer, may take. Default 10.
+        quorum_timeout: seconds to wait for a round to form before giving up. Default 300.
+        max_consecutive_failures: this replica's own exceptions in a row before it re-raises. Default 3.
+        events: a path to append one JSON line per start and per committed step to. Default None.
+    """
+
+    def __init__(self, model, policy, stream=None, replica_id=None, coordinator=None, timeout=10.0,
+                 quorum_timeout=300.0, max_consecutive_failures=3, events=None):
+        self.model, self.policy, self.stream = model, policy, stream
+        self.id = check_int("replica_id", _from_env(replica_id, "MINIDP_FT_REPLICA_ID"), low=0)
+        self.timeout = check_number("timeout", timeout, positive=True)
+        self.quorum_timeout = check_number("quorum_timeout", quorum_timeout, positive=True)
+        self.max_consecutive_failures = check_int("max_consecutive_failures", max_consecutive_failures, low=1)
+        self.coordinator = str(_from_env(coordinator, "MINIDP_FT_COORDINATOR"))
+        self.store = _connect(self.coordinator, self.timeout)
+        self.events = events
+        policy.attach(model)
+        self.committed, self.has_state, self.failures_in_a_row = 0, False, 0
+        self.history: list[dict] = []  # one entry per round this replica trained in
+        self.groups: dict = {}  # epoch -> process group between that epoch's participants
+        self._claim_id()
+        self.server = StateServer(_reachable_host(self.coordinator))
+        self._log("start")
+
+    # --------------------------------------------------------------------------- joining the run
+    def _claim_id(self) -> None:
+        """Own this id (refused while a live process holds it), check the model, start beating."""
+        token = f"pid {os.getpid()} on {socket.gethostname()} at {time.time():.3f}"
+        holder = self.store.compare_set(f"owner/{self.id}", "", token).decode()
+        if holder != token:
+            beat = int(self.store.add(f"alive/{self.id}", 0))
+            time.sleep(LEASE_S)
+            if int(self.store.add(f"alive/{self.id}", 0)) != beat or \
+                    self.store.compare_set(f"owner/{self.id}", holder, token).decode() != token:
+                raise RuntimeError(f"replica_id={self.id} is held by a live process ({holder}): two replicas "
+                                   "cannot share an id; give each its own MINIDP_FT_REPLICA_ID")
+        mine = json.dumps(signature(self.model.state_dict()))
+        run = self.store.compare_set("signature", "", mine).decode()
+        if run != mine:
+            raise ValueError(f"replica {self.id} refused: its model does not match the run's: "
+                             f"{first_mismatch(json.loads(mine), json.loads(run))}")
+        self.store.append("ids", f"{self.id},")
+        beat_store = _connect(self.coordinator, self.timeout)  # its own connection: one per thread
+        self._beating = threading.Event()
+        threading.Thread(target=self._beat, args=(beat_store,), daemon=True, name="minidp-ft-beat").start()
+
+    def _beat(self, store) -> None:
+        while not self._beating.is_set():
+            try:
+                store.add(f"alive/{self.id}", 1)
+            except Exception:  # the coordinator is gone: the main thread's next call says so
+                return
+            self._beating.wait(HEARTBEAT_S)
+
+    # ------------------------------------------------------------------------------ one round
+    def step(self) -> "Round":
+        """The next round, as a context manager: enter forms the quorum, exit votes and commits."""
+        return Round(self)
+
+    def quorum(self) -> dict:
+        """Ask the open round's quorum until this replica trains in one, healing when told to."""
+        while True:
+            q = self._ask()
+            if q["train"] and self.id in q["participants"]:
+                return q
+            if str(self.id) in q["heal"]:
+                self._heal(q)
+            elif q["seed_source"] == self.id:  # the run's start: this replica's weights are the seed
+                self.has_state = True
+                self.server.publish(q["round"], self._state(q["round"]))
+                self.store.set(f"serve/{q['round']}/{self.id}", self.server.address)
+
+    def _ask(self) -> dict:
+        """Ask in the open round (the next one, if that closed without us); its quorum naming us."""
+        deadline = time.monotonic() + self.quorum_timeout
+        round_id = int(self._wait_get("round", deadline))
+        while True:
+            ask = {"step": self.committed, "has_state": self.has_state}
+            self.store.set(f"ask/{round_id}/{self.id}", json.dumps(ask))
+            q = json.loads(self._wait_get(f"quorum/{round_id}", deadline))
+            if self.id in q["participants"] or str(self.id) in q["heal"] or q["seed_source"] == self.id:
+                return q
+            round_id += 1  # asked after that round closed: ask in the next one
+
+    def _heal(self, q: dict) -> None:
+        """Load the state the sources hold after round q from the first that delivers it."""
+        r, started = q["round"], time.monotonic()
+        for source in q["heal"][str(self.id)]:
+            try:
+                address = self._wait_served(r, source).decode()
+                state = fetch_state(address, r, self.timeout)
+            except Exception as exc:  # the source died before or during the transfer: the next one
+                self.last_heal_error = f"from replica {source}: {exc}"
+                continue
+            self._load(state, source)
+            self.last_heal = {"round": r, "source": source, "seconds": time.monotonic() - started}
+            return
+
+    def _wait_served(self, round_id: int, source: int) -> bytes:
+        """The source's address once it serves round_id's state (it trains the round first)."""
+        key, deadline = f"serve/{round_id}/{source}", time.monotonic() + self.quorum_timeout
+        beat, moved = None, time.monotonic()
+        while True:
+            if self.store.check([key]):
+                return self.store.get(key)
+            time.sleep(0.05)
+            now_beat = int(self.store.add(f"alive/{source}", 0))
+            if now_beat != beat:
+                beat, moved = now_beat, time.monotonic()
+            elif time.monotonic() - moved > LEASE_S:
+                raise RuntimeError(f"replica {source} died before serving its state")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {source} did not serve its state within "
+                                   f"quorum_timeout={self.quorum_timeout} s")
+
+    def _state(self, round_id: int) -> dict:
+        return {"round": round_id, "committed": self.committed, "model": self.model.state_dict(),
+                "policy": self.policy.state_dict(), "rng": torch.get_rng_state(),
+                "stream": None if self.stream is None else self.stream.state_dict()}
+
+    def _load(self, state: dict, source: int) -> None:
+        wrong = first_mismatch(signature(self.model.state_dict()), signature(state["model"]))
+        if wrong:
+            raise ValueError(f"replica {self.id} refused replica {source}'s state: {wrong}")
+        self.model.load_state_dict(state["model"])
+        self.policy.load_state_dict(state["policy"])
+        torch.set_rng_state(state["rng"])
+        if self.stream is not None:
+            self.stream.load_state_dict(state["stream"])
+        self.committed, self.has_state = state["committed"], True
+
+    # ------------------------------------------------------------------------- the round's end
+    def finish(self, q: dict, error: BaseException | None) -> bool:
+        """Average, vote, and commit or discard round q; True if it committed."""
+        rank, count = q["participants"].index(self.id), len(q["participants"])
+        why = None if error is None else f"{type(error).__name__}: {error}"
+        try:
+            # Ranks meet: a failed participant still sends (zeros), so its peers never wait on it.
+            means = self._mean(q, self.policy.contribution(failed=error is not None), rank, count)
+        except Exception as exc:  # a peer died or hung: this round cannot commit
+            means, why = None, why or f"collective failed: {type(exc).__name__}: {exc}"
+        self.store.set(f"vote/{q['round']}/{self.id}", json.dumps({"ok": why is None, "why": why}))
+        decision = json.loads(self._wait_get(f"decision/{q['round']}", time.monotonic() + self.quorum_timeout))
+        if decision["commit"]:
+            self.policy.commit(means)
+            self.committed += 1
+            if self.stream is not None:
+                self.stream.advance(count, self.policy.inner_steps)
+            self._log("commit", step=q["step"])
+        else:
+            self.policy.discard()
+            self.groups.pop(q["epoch"], None)  # a collective may have broken it
+        self.history.append({"round": q["round"], "step": q["step"], "participants": q["participants"],
+                             "committed": decision["commit"], "why": decision["why"]})
+        if q["heal"]:  # joiners read the state after this round from its participants
+            self.server.publish(q["round"], self._state(q["round"]))
+            self.store.set(f"serve/{q['round']}/{self.id}", self.server.address)
+        return decision["commit"]
+
+    def _mean(self, q, contribution, rank, count):
+        if count == 1:
+            return contribution
+        group = self.groups.get(q["epoch"])
+        if group is None:
+            self.groups = {}  # the old epochs' groups are done with
+            store = dist.PrefixStore(f"pg/{q['epoch']}", self.store)
+            group = dist.ProcessGroupGloo(store, rank, count, timedelta(seconds=self.timeout))
+            self.groups[q["epoch"]] = group
+        from .policies import ordered_mean
+        return ordered_mean(contribution, group, rank, count)
+
+    # ---------------------------------------------------------------------------------- helpers
+    def _wait_get(self, key: str, deadline: float) -> bytes:
+        """The value of `key` once the coordinator (or a peer) sets it; a clear error at `deadline`."""
+        while True:
+            try:
+                # One long wait (a wait that times out logs a warning in torch's C++ store client).
+                self.store.wait([key], timedelta(seconds=max(0.05, deadline - time.monotonic())))
+                return self.store.get(key)
+            except (RuntimeError, dist.DistStoreError) as exc:
+                if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+                    raise RuntimeError(f"replica {self.id}: the coordinator at {self.coordinator} is gone "
+                                       f"({exc})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica {self.id}: no answer for {key!r} from the coordinator at "
+                                       f"{self.coordinator} in time (quorum_timeout={self.quorum_timeout} s; "
+                                       "too few replicas for min_replicas?)") from None
+
+    def _log(self, event: str, **fields) -> None:
+        if self.events is not None:
+            with open(self.events, "a") as f:
+                f.write(json.dumps({"t": time.time(), "replica": self.id, "event": event, **fields}) + "\n")
+
+    def close(self) -> None:
+        """Leave the run: the coordinator stops waiting for this replica."""
+        self._beating.set()
+        self.store.set(f"left/{self.id}", "1")
+        self.server.close()
+
+
+class Round:
+    """One round as a context manager; inside, `indices()`, `rank`, `participants`, `step`."""
+
+    def __init__(self, replica: Replica):
+        self.replica = replica
+        self.committed = None
+
+    def __enter__(self) -> "Round":
+        self.q = self.replica.quorum()
+        self.participants, self.step = self.q["participants"], self.q["step"]
+        self.rank = self.participants.index(self.replica.id)
+        self.replica.policy.begin()
+        return self
+
+    def indices(self, inner_step: int = 0) -> list[int]:
+        """This participant's sample indices for `inner_step` of the round (the stream's cut)."""
+        return self.replica.stream.indices(self.rank, len(self.participants), inner_step)
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, Exception):
+            return False  # KeyboardInterrupt, SystemExit: not a failed step
+        replica = self.replica
+        self.committed = replica.finish(self.q, exc)
+        replica.failures_in_a_row = replica.failures_in_a_row + 1 if exc is not None else 0
+        return replica.failures_in_a_row < replica.max_consecutive_failures  # else re-raise
+
+
+def _from_env(value, var: str):
+    if value is not None:
+        return value
+    if var not in os.environ:
+        raise ValueError(f"{var} is not set and no argument gives it: run under python -m minidp.run --ft, "
+                         "or pass replica_id= and coordinator=")
+    return int(os.environ[var]) if var.endswith("_ID") else os.environ[var]
+
+
+def _connect(address: str, timeout: float):
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"coordinator={address!r} must be 'host:port'")
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+    except Exception as exc:
+        raise RuntimeError(f"no coordinator at {address} ({type(exc).__name__}): start one with "
+                           "python -m minidp.ft.coordinator, or run under python -m minidp.run --ft") from None
+
+
+def _reachable_host(coordinator: str) -> str:
+    """The address of this machine that the coordinator's host can reach (loopback for loopback)."""
+    host = coordinator.rpartition(":")[0]
+    if host in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]

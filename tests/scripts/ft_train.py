@@ -1,0 +1,122 @@
+"""A replica of a fault-tolerant run (minidp.ft), for the tests and the soak benchmark.
+
+    python -m minidp.run --ft --nproc-per-node 3 tests/scripts/ft_train.py --steps 12 --out DIR \
+        --inject kill@5:1,exception@3:2,hang@8:0
+
+Trains a small MLP through minidp.DDP (a world of one per replica) with ft.AverageGradients, or
+DiLoCo (--policy diloco); an `--inject kind@committed_step:replica` event fires once in the whole
+run (a file in DIR remembers it), mid-step: after forward, before backward. Each replica appends
+what it did to DIR/replica<id>.jsonl as it goes (a SIGKILL loses nothing written), and its final
+state to DIR/final<id>.pt.
+"""
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+
+import minidp
+from minidp import ft
+from minidp.ft.replay import state_hash
+
+SAMPLES, BATCH = 512, 8
+
+
+def build(policy_name="ddp", period=3, ddp_kwargs=None):
+    torch.manual_seed(int(os.environ.get("MINIDP_FT_REPLICA_ID", "0")) + 100)  # replicas differ until healed
+    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = minidp.DDP(net, **(ddp_kwargs or {})) if ddp_kwargs is not None else net
+    if policy_name == "ddp":
+        policy = ft.AverageGradients(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    else:
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        policy = ft.DiLoCo(inner, outer, period=period)
+    return model, policy, ft.SampleStream(SAMPLES, BATCH, seed=0)
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, 8, generator=g)
+    return x, (x @ torch.randn(8, 4, generator=g)).argmax(1)
+
+
+X, Y = data()
+
+
+def body(model, policy, stream, rank, count, inject=lambda: None):
+    for inner_step in range(policy.inner_steps):
+        idx = stream.indices(rank, count, inner_step)
+        loss = nn.functional.cross_entropy(model(X[idx]), Y[idx])
+        inject()
+        loss.backward()
+        if isinstance(policy, ft.DiLoCo):
+            policy.inner.step()
+            policy.inner.zero_grad()
+
+
+def injector(events, replica, out):
+    """A function that fires this replica's due event once in the run (mid-step)."""
+    fired_path = os.path.join(out, "fired")
+
+    def fire(committed):
+        fired = open(fired_path).read().split() if os.path.exists(fired_path) else []
+        for e in events:
+            kind, at = e.split("@")
+            step, who = at.split(":")
+            if int(who) != replica or int(step) != committed or e in fired:
+                continue
+            with open(fired_path, "a") as f:
+                f.write(e + "\n")
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif kind == "hang":
+                time.sleep(float(os.environ.get("FT_HANG_S", "4")))
+            else:
+                raise RuntimeError(f"injected exception at step {committed} on replica {replica}")
+    return fire
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--policy", default="ddp", choices=["ddp", "diloco"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--inject", default="")
+    p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--ddp-kwargs", default="{}", help="JSON keywords for minidp.DDP; 'none': a plain module")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    minidp.init()
+    kwargs = None if a.ddp_kwargs == "none" else json.loads(a.ddp_kwargs)
+    model, policy, stream = build(a.policy, ddp_kwargs=kwargs)
+    replica = ft.Replica(model, policy, stream, timeout=a.timeout, events=os.path.join(a.out, "events.jsonl"))
+    fire = injector([e for e in a.inject.split(",") if e], replica.id, a.out)
+    log_path = os.path.join(a.out, f"replica{replica.id}.jsonl")
+    seen_heal = None
+    while replica.committed < a.steps:
+        with replica.step() as r:
+            if getattr(replica, "last_heal", None) is not seen_heal:
+                seen_heal = replica.last_heal
+                _append(log_path, {"heal": True, "source": seen_heal["source"], "committed": r.step,
+                                   "seconds": seen_heal["seconds"]})
+            body(model, policy, stream, r.rank, len(r.participants), lambda: fire(replica.committed))
+        entry = replica.history[-1]
+        if r.committed:
+            entry = {**entry, "hash": state_hash(model, policy)}
+        _append(log_path, entry)
+    torch.save({"model": model.state_dict(), "policy": policy.state_dict(), "hash": state_hash(model, policy)},
+               os.path.join(a.out, f"final{replica.id}.pt"))
+    replica.close()
+
+
+def _append(path, entry):
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+if __name__ == "__main__":
+    main()
