@@ -4,6 +4,7 @@
     python -m minidp.simulate --events explain_resnet18_events.json --plot scaling.png
     python -m minidp.simulate --events ... --bucket-cap-mb 5 --compression 0.5 --algorithm tree --caps 1,5,25,100
     python -m minidp.simulate --study benchmarks/results/compression_study.json   # time to target (time_to_target.py)
+    python -m minidp.simulate goodput   # goodput under failures at 1,024-16,384 GPUs: restart vs heal (goodput.py)
 
 The recorded step gives the compute: forward, the time each gradient became ready after backward
 began, its size, the write-back after the last all-reduce, the optimizer. The simulator cuts the
@@ -214,7 +215,8 @@ def _pick(value, unit, default):
 def parse_args(argv=None):
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m minidp.simulate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m minidp.simulate", description=__doc__.split("\n")[0],
+                                epilog="python -m minidp.simulate goodput --help: goodput under failures (goodput.py)")
     p.add_argument("--events", help="a recorded step: the _events.json that python -m minidp.explain writes")
     p.add_argument("--rank", type=int, default=0, help="whose recorded step to use (default 0)")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
@@ -253,12 +255,18 @@ def parse_args(argv=None):
     except ValueError as e:
         p.error(str(e))
     if not (args.events or args.measure_network or args.study or args.memory):
-        p.error("give --events FILE (from python -m minidp.explain), --study FILE, --memory or --measure-network OUT")
+        p.error("give --events FILE (from python -m minidp.explain), --study FILE, --memory or --measure-network OUT "
+                "(or the subcommand: python -m minidp.simulate goodput)")
     check_memory_args(p, args)
     return p, args
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["goodput"]:  # a subcommand of its own; the --flag forms below are unchanged
+        from .goodput_table import main as main_goodput
+
+        return main_goodput(argv[1:])
     p, args = parse_args(argv)
     if args.memory:
         return main_memory(args, p)
