@@ -9,7 +9,7 @@ data.py (the samples of a round), replay.py (the reference a run is checked agai
 import importlib
 
 _WHERE = {"SampleStream": "data", "AverageGradients": "policies", "DiLoCo": "policies",
-          "ordered_mean": "policies", "Replica": "replica", "Round": "replica"}
+          "ordered_mean": "policies", "Replica": "replica", "Round": "replica", "RunFinished": "replica"}
 __all__ = sorted(_WHERE)
 
 

@@ -65,6 +65,7 @@ class Coordinator:
         self.liveness = Liveness(self.store)
         self.round = 0
         self.last = None  # the last published quorum (a dict), or None before the first
+        self.newest, self.holders = 0, set()  # the run's committed steps, and who committed the last
 
     # ----------------------------------------------------------------------------------- the loop
     def serve(self, stop_after_s: float | None = None) -> None:
@@ -78,6 +79,8 @@ class Coordinator:
             self._announce(quorum)
             self.store.set(f"quorum/{self.round}", json.dumps(quorum))
             committed = self._decide(quorum) if quorum["participants"] and quorum["train"] else True
+            if committed and quorum["train"]:
+                self.newest, self.holders = quorum["step"] + 1, set(quorum["participants"])
             self.last = {**quorum, "committed": committed}
 
     def _form_quorum(self, deadline):
@@ -97,10 +100,32 @@ class Coordinator:
             waiting = self._still_expected(asks, left)
             late = first_ask is not None and time.monotonic() - first_ask > self._patience(waiting)
             if len(asks) >= self.min_replicas and (not waiting or late):
-                return decide_quorum(r, asks, self.last)
+                behind = self._behind(asks, left)
+                if behind is None:
+                    return decide_quorum(r, asks, self.last)
+                if behind:  # "" : a holder of the newest state is alive: wait for it
+                    return {**decide_quorum(r, asks, None), "participants": [], "heal": {},
+                            "train": False, "seed_source": None, "end": behind}
             if deadline is not None and time.monotonic() > deadline:
                 return None
             self._wait_any([f"ask/{r}/{i}" for i in (waiting or ids) if i not in asks])
+
+    def _behind(self, asks, left):
+        """None when some asker holds the run's newest state; else why the run ends ("" to wait).
+
+        A round never trains an older state than the run's newest: if only stale replicas ask,
+        they wait for a holder of the newest to come back; when all holders have left (the run
+        finished) or died (its newest state is lost), the stale replicas are told so.
+        """
+        if not self.newest or any(a["has_state"] and a["step"] >= self.newest for a in asks.values()):
+            return None
+        holders = self.holders - set(asks)
+        if holders and holders <= left:
+            return "finished"
+        if not any(self.liveness.alive(i) for i in holders - left):
+            return (f"lost: the run's newest state (step {self.newest}) died with replicas "
+                    f"{sorted(holders - left)}")
+        return ""
 
     def _still_expected(self, asks, left) -> set:
         """Members of the last round (participants and healers) not yet asking, alive and not gone.
@@ -148,6 +173,9 @@ class Coordinator:
             pass
 
     def _announce(self, quorum) -> None:
+        if quorum.get("end"):
+            _say(f"round {quorum['round']}: {quorum['end']}; stale replicas told so")
+            return
         before = set() if self.last is None else set(self.last["participants"])
         now = set(quorum["participants"])
         heal = ", ".join(f"{i} from {src[0]}" for i, src in quorum["heal"].items())

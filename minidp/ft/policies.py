@@ -88,7 +88,7 @@ class AverageGradients:
         return flats
 
     def commit(self, means: list[torch.Tensor]) -> None:
-        for (dtype, idx), mean in zip(self.groups.items(), means):
+        for idx, mean in zip(self.groups.values(), means):
             marks, offset = mean[-len(idx):], 0
             for k, i in enumerate(idx):
                 p = self.params[i]

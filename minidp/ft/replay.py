@@ -9,6 +9,9 @@ committed rounds. A run whose replicas end bitwise equal to this lost nothing to
 from __future__ import annotations
 
 import copy
+import glob
+import json
+import os
 
 import torch
 
@@ -77,7 +80,7 @@ def state_hash(model, policy) -> str:
     h = hashlib.sha256()
     for part in (model.state_dict(), policy.state_dict()):
         for t in _tensors(part):
-            h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -90,3 +93,38 @@ def _tensors(obj):
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors(v)
+
+
+def read_record(folder: str) -> tuple[list, list, dict]:
+    """The committed rounds, the heals and every commit's digests from a run's `record=` folder.
+
+    Returns:
+        (rounds, heals, digests): rounds as replay() takes them (each step once; every replica that
+        recorded a step must have recorded the same participants); heals; (step, replica) -> digest.
+    """
+    by_step, heals, digests = {}, [], {}
+    for path in sorted(glob.glob(os.path.join(folder, "replica*.jsonl"))):
+        replica = int(os.path.basename(path)[len("replica"):-len(".jsonl")])
+        with open(path) as f:
+            for entry in map(json.loads, f):
+                if entry.get("heal"):
+                    heals.append({"replica": replica, "source": entry["source"], "committed": entry["committed"]})
+                elif entry["committed"]:
+                    parts = by_step.setdefault(entry["step"], tuple(entry["participants"]))
+                    if parts != tuple(entry["participants"]):
+                        raise AssertionError(f"step {entry['step']} committed by {list(parts)} and by "
+                                             f"{entry['participants']}: the run forked")
+                    digests[(entry["step"], replica)] = entry["hash"]
+    steps = sorted(by_step)
+    if steps != list(range(len(steps))):
+        raise AssertionError(f"committed steps are not 0 ... n-1 without a gap: {steps}")
+    return [{"step": s, "participants": list(by_step[s])} for s in steps], heals, digests
+
+
+def check_run(folder: str, build, body) -> dict:
+    """Replay a recorded run and compare every commit's digest; a summary (mismatches listed)."""
+    rounds, heals, digests = read_record(folder)
+    states, hashes = replay(build, body, rounds, heals)
+    wrong = sorted(key for key, digest in digests.items() if hashes.get(key) != digest)
+    return {"steps": len(rounds), "commits": len(digests), "heals": len(heals), "mismatches": wrong,
+            "states": states}

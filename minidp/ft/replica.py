@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -42,10 +43,12 @@ class Replica:
         quorum_timeout: seconds to wait for a round to form before giving up. Default 300.
         max_consecutive_failures: this replica's own exceptions in a row before it re-raises. Default 3.
         events: a path to append one JSON line per start and per committed step to. Default None.
+        record: a folder to record this replica's rounds and heals in (`replica<id>.jsonl`, a
+            state digest after each commit), for `minidp.ft.replay.check_run`. Default None.
     """
 
     def __init__(self, model, policy, stream=None, replica_id=None, coordinator=None, timeout=10.0,
-                 quorum_timeout=300.0, max_consecutive_failures=3, events=None):
+                 quorum_timeout=300.0, max_consecutive_failures=3, events=None, record=None):
         self.model, self.policy, self.stream = model, policy, stream
         self.id = check_int("replica_id", _from_env(replica_id, "MINIDP_FT_REPLICA_ID"), low=0)
         self.timeout = check_number("timeout", timeout, positive=True)
@@ -53,7 +56,7 @@ class Replica:
         self.max_consecutive_failures = check_int("max_consecutive_failures", max_consecutive_failures, low=1)
         self.coordinator = str(_from_env(coordinator, "MINIDP_FT_COORDINATOR"))
         self.store = _connect(self.coordinator, self.timeout)
-        self.events = events
+        self.events, self.record = events, record
         policy.attach(model)
         self.committed, self.has_state, self.failures_in_a_row = 0, False, 0
         self.history: list[dict] = []  # one entry per round this replica trained in
@@ -101,6 +104,13 @@ class Replica:
         """Ask the open round's quorum until this replica trains in one, healing when told to."""
         while True:
             q = self._ask()
+            if q.get("end"):
+                self.close()  # the coordinator stops waiting for this replica
+            if q.get("end") == "finished":
+                raise RunFinished(f"replica {self.id}: the run finished at step {self.committed} without it "
+                                  "(every replica holding the newest state has left)")
+            if q.get("end"):
+                raise RuntimeError(f"replica {self.id}: {q['end']}; nothing left to heal from")
             if q["train"] and self.id in q["participants"]:
                 return q
             if str(self.id) in q["heal"]:
@@ -118,22 +128,25 @@ class Replica:
             ask = {"step": self.committed, "has_state": self.has_state}
             self.store.set(f"ask/{round_id}/{self.id}", json.dumps(ask))
             q = json.loads(self._wait_get(f"quorum/{round_id}", deadline))
-            if self.id in q["participants"] or str(self.id) in q["heal"] or q["seed_source"] == self.id:
+            if self.id in q["participants"] or str(self.id) in q["heal"] or q["seed_source"] == self.id \
+                    or q.get("end"):
                 return q
             round_id += 1  # asked after that round closed: ask in the next one
 
     def _heal(self, q: dict) -> None:
         """Load the state the sources hold after round q from the first that delivers it."""
-        r, started = q["round"], time.monotonic()
+        r, started, failed = q["round"], time.monotonic(), []
         for source in q["heal"][str(self.id)]:
             try:
                 address = self._wait_served(r, source).decode()
                 state = fetch_state(address, r, self.timeout)
             except Exception as exc:  # the source died before or during the transfer: the next one
-                self.last_heal_error = f"from replica {source}: {exc}"
+                failed.append(f"replica {source}: {type(exc).__name__}: {exc}")
                 continue
             self._load(state, source)
-            self.last_heal = {"round": r, "source": source, "seconds": time.monotonic() - started}
+            self.last_heal = {"round": r, "source": source, "seconds": time.monotonic() - started,
+                              "failed": failed}
+            self._record({"heal": True, "source": source, "committed": self.committed, **self.last_heal})
             return
 
     def _wait_served(self, round_id: int, source: int) -> bytes:
@@ -172,6 +185,7 @@ class Replica:
     # ------------------------------------------------------------------------- the round's end
     def finish(self, q: dict, error: BaseException | None) -> bool:
         """Average, vote, and commit or discard round q; True if it committed."""
+        self.last_quorum = q
         rank, count = q["participants"].index(self.id), len(q["participants"])
         why = None if error is None else f"{type(error).__name__}: {error}"
         try:
@@ -190,8 +204,12 @@ class Replica:
         else:
             self.policy.discard()
             self.groups.pop(q["epoch"], None)  # a collective may have broken it
-        self.history.append({"round": q["round"], "step": q["step"], "participants": q["participants"],
-                             "committed": decision["commit"], "why": decision["why"]})
+        entry = {"round": q["round"], "step": q["step"], "participants": q["participants"],
+                 "committed": decision["commit"], "why": decision["why"]}
+        self.history.append(entry)
+        if self.record is not None:
+            from .replay import state_hash
+            self._record({**entry, "hash": state_hash(self.model, self.policy)} if entry["committed"] else entry)
         if q["heal"]:  # joiners read the state after this round from its participants
             self.server.publish(q["round"], self._state(q["round"]))
             self.store.set(f"serve/{q['round']}/{self.id}", self.server.address)
@@ -226,6 +244,11 @@ class Replica:
                                        f"{self.coordinator} in time (quorum_timeout={self.quorum_timeout} s; "
                                        "too few replicas for min_replicas?)") from None
 
+    def _record(self, entry: dict) -> None:
+        if self.record is not None:
+            with open(os.path.join(self.record, f"replica{self.id}.jsonl"), "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
     def _log(self, event: str, **fields) -> None:
         if self.events is not None:
             with open(self.events, "a") as f:
@@ -233,9 +256,20 @@ class Replica:
 
     def close(self) -> None:
         """Leave the run: the coordinator stops waiting for this replica."""
+        if self._beating.is_set():
+            return
         self._beating.set()
         self.store.set(f"left/{self.id}", "1")
         self.server.close()
+
+
+class RunFinished(SystemExit):
+    """The run ended without this replica: raised by `step()`, it exits the process with status 0."""
+
+    def __init__(self, message: str):
+        super().__init__(0)
+        self.message = message
+        print(f"[minidp.ft] {message}", file=sys.stderr, flush=True)
 
 
 class Round:

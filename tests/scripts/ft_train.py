@@ -20,7 +20,10 @@ from torch import nn
 
 import minidp
 from minidp import ft
+from minidp.ft import transfer
 from minidp.ft.replay import state_hash
+
+transfer.CHUNK_BYTES = 1024  # several pieces a state: a source can die mid-transfer
 
 SAMPLES, BATCH = 512, 8
 
@@ -58,7 +61,19 @@ def body(model, policy, stream, rank, count, inject=lambda: None):
             policy.inner.zero_grad()
 
 
-def injector(events, replica, out):
+def arm_kill_while_serving(replica):
+    """Die after the first piece of the next state this replica serves to a joiner that has another source."""
+    serve = replica.server.send_chunk
+
+    def send_chunk(wfile, chunk):
+        serve(wfile, chunk)
+        if any(len(sources) > 1 for sources in replica.last_quorum["heal"].values()):
+            wfile.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+    replica.server.send_chunk = send_chunk
+
+
+def injector(events, replica, out, ft_replica=None):
     """A function that fires this replica's due event once in the run (mid-step)."""
     fired_path = os.path.join(out, "fired")
 
@@ -73,6 +88,8 @@ def injector(events, replica, out):
                 f.write(e + "\n")
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif kind == "killserve":  # die mid-transfer the next time a joiner reads this replica's state
+                arm_kill_while_serving(ft_replica)
             elif kind == "hang":
                 time.sleep(float(os.environ.get("FT_HANG_S", "4")))
             else:
@@ -93,29 +110,15 @@ def main():
     minidp.init()
     kwargs = None if a.ddp_kwargs == "none" else json.loads(a.ddp_kwargs)
     model, policy, stream = build(a.policy, ddp_kwargs=kwargs)
-    replica = ft.Replica(model, policy, stream, timeout=a.timeout, events=os.path.join(a.out, "events.jsonl"))
-    fire = injector([e for e in a.inject.split(",") if e], replica.id, a.out)
-    log_path = os.path.join(a.out, f"replica{replica.id}.jsonl")
-    seen_heal = None
+    replica = ft.Replica(model, policy, stream, timeout=a.timeout, record=a.out)
+    fire = injector([e for e in a.inject.split(",") if e], replica.id, a.out, replica)
     while replica.committed < a.steps:
         with replica.step() as r:
-            if getattr(replica, "last_heal", None) is not seen_heal:
-                seen_heal = replica.last_heal
-                _append(log_path, {"heal": True, "source": seen_heal["source"], "committed": r.step,
-                                   "seconds": seen_heal["seconds"]})
             body(model, policy, stream, r.rank, len(r.participants), lambda: fire(replica.committed))
-        entry = replica.history[-1]
-        if r.committed:
-            entry = {**entry, "hash": state_hash(model, policy)}
-        _append(log_path, entry)
+            time.sleep(float(os.environ.get("FT_STEP_S", "0")))  # slower steps: a woken replica rejoins
     torch.save({"model": model.state_dict(), "policy": policy.state_dict(), "hash": state_hash(model, policy)},
                os.path.join(a.out, f"final{replica.id}.pt"))
     replica.close()
-
-
-def _append(path, entry):
-    with open(path, "a") as f:
-        f.write(json.dumps(entry) + "\n")
 
 
 if __name__ == "__main__":
