@@ -63,6 +63,7 @@ class Liveness:
     def __init__(self, store, lease_s: float = LEASE_S):
         self.store, self.lease_s = store, lease_s
         self.seen: dict[int, tuple[int, float]] = {}  # id -> (counter, when it last moved)
+        self.asked: dict[int, float] = {}  # id -> when the store was last asked
 
     def known_ids(self) -> list[int]:
         if not self.store.check(["ids"]):
@@ -71,12 +72,15 @@ class Liveness:
         return sorted({int(i) for i in text.split(",") if i})
 
     def alive(self, replica: int) -> bool:
+        now = time.monotonic()
+        before = self.seen.get(replica)
+        if before is not None and now - self.asked.get(replica, 0.0) < HEARTBEAT_S:
+            return now - before[1] < self.lease_s  # asked the store a moment ago: no new beat to see
+        self.asked[replica] = now
         key = f"alive/{replica}"
         if not self.store.check([key]):
             return False
         count = int(self.store.add(key, 0))
-        now = time.monotonic()
-        before = self.seen.get(replica)
         if before is None or before[0] != count:
             self.seen[replica] = (count, now)
             return True

@@ -59,6 +59,7 @@ class Replica:
         self.events, self.record = events, record
         policy.attach(model)
         self.committed, self.has_state, self.failures_in_a_row = 0, False, 0
+        self.last_round = 0  # the newest round this replica asked in
         self.history: list[dict] = []  # one entry per round this replica trained in
         self.groups: dict = {}  # epoch -> process group between that epoch's participants
         self._claim_id()
@@ -123,11 +124,14 @@ class Replica:
     def _ask(self) -> dict:
         """Ask in the open round (the next one, if that closed without us); its quorum naming us."""
         deadline = time.monotonic() + self.quorum_timeout
-        round_id = int(self._wait_get("round", deadline))
+        # Never a round already taken part in: the coordinator may not have opened the next one yet
+        # (asking ahead is fine: it reads the asks of a round when it opens it).
+        round_id = max(int(self._wait_get("round", deadline)), self.last_round + 1)
         while True:
             ask = {"step": self.committed, "has_state": self.has_state}
             self.store.set(f"ask/{round_id}/{self.id}", json.dumps(ask))
             q = json.loads(self._wait_get(f"quorum/{round_id}", deadline))
+            self.last_round = round_id
             if self.id in q["participants"] or str(self.id) in q["heal"] or q["seed_source"] == self.id \
                     or q.get("end"):
                 return q
