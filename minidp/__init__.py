@@ -22,7 +22,7 @@ importing a public name loads (Python sets each as an attribute of the package).
 
 # public name -> the module that defines it (relative to this package)
 _PUBLIC = {
-    "comm": ".comm", "data": ".data", "hooks": ".hooks",
+    "comm": ".comm", "data": ".data", "ft": ".ft", "hooks": ".hooks",
     "lr": ".train.lr", "optim": ".train.optim",
     "launch": ".launcher.spawn", "WorkerFailed": ".launcher.supervisor",
     "load_checkpoint": ".train.checkpoint", "save_checkpoint": ".train.checkpoint",

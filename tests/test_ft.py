@@ -37,6 +37,8 @@ import ft_train  # noqa: E402
 from background import folder, prelaunch  # noqa: E402
 from processes import VENV_BIN, Command, clean_env  # noqa: E402
 
+from harness import run_ranks  # noqa: E402
+
 TRAIN = os.path.join(SCRIPTS, "ft_train.py")
 RUN_FT = [sys.executable, "-m", "minidp.run", "--ft", "--nproc-per-node", "3", "--max-restarts", "3",
           "--join-timeout", "1.5"]
@@ -54,6 +56,9 @@ SCENARIOS = {
                "--ddp-kwargs", json.dumps({"static_graph": True})],
 }
 HUNG = {"ddp": 2, "diloco": 0}
+# No failure, no sleep: rounds as fast as they go, where a replica once re-entered a round it had
+# already trained (it read the open round before the coordinator opened the next one).
+FAST = ["--steps", "150", "--ddp-kwargs", "none"]
 _OUT: dict = {}
 
 
@@ -61,6 +66,9 @@ def _start(name):
     out = _OUT[name] = folder(f"ft-{name}")
     if name == "torchrun":
         return _torchrun_commands(out)
+    if name == "fast":
+        return [Command([*RUN_FT, TRAIN, "--out", out, *FAST], ROOT, clean_env(CUDA_VISIBLE_DEVICES=""),
+                        timeout=TIMEOUT_S)]
     return [Command([*RUN_FT, TRAIN, "--out", out, "--timeout", "2", *SCENARIOS[name]], ROOT,
                     clean_env(**ENV), timeout=TIMEOUT_S)]
 
@@ -82,7 +90,7 @@ def _torchrun_commands(out):
 
 
 LAUNCHES = {name: prelaunch(f"test_ft.py: {name}", lambda name=name: _start(name), module="test_ft.py")
-            for name in [*SCENARIOS, "torchrun"]}
+            for name in [*SCENARIOS, "torchrun", "fast"]}
 
 
 def _finished(name):
@@ -145,6 +153,12 @@ def test_torchrun_per_replica_restarts_one_replica_which_heals():
     assert any(e.get("heal") and e["committed"] > 0 for e in _entries(out, 1))
 
 
+def test_fast_rounds_without_failures_stay_in_step():
+    out, output = _finished("fast")
+    report = _check_bitwise(out, "ddp")
+    assert report["steps"] == 150 and report["commits"] == 450 and "discarded" not in output
+
+
 # ------------------------------------------------------------------------------ the rules, no processes
 def test_quorum_rule():
     fresh = {"step": 0, "has_state": False}
@@ -184,6 +198,57 @@ def test_ordered_mean_keeps_none_gradients_and_sums_in_rank_order():
     before = model[1].weight.detach().clone()
     policy.commit([flat.clone()])
     assert model[1].weight.grad is None and torch.equal(model[1].weight, before)
+
+
+# Each set trains a model with a parameter the forward skips: DDP's keywords that allow it.
+DDP_KEYWORDS = [{"find_unused_parameters": True},
+                {"find_unused_parameters": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 0.0005},
+                {"static_graph": True}, {"static_graph": True, "broadcast_buffers": False, "bucket_cap_mb": 0.001}]
+
+
+class _Net(nn.Module):
+    """Two layers used, and one (`unused`) that the forward skips: find_unused_parameters' case."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.unused = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _one_replica_per_keyword_set():
+    """A replica over minidp.DDP (its world of one) with each keyword set, against plain SGD (one process)."""
+    torch.set_num_threads(1)
+    import minidp
+    x, y = ft_train.X[:32], ft_train.Y[:32]
+    out = []
+    for kwargs in DDP_KEYWORDS:
+        torch.manual_seed(0)
+        net, reference = _Net(), _Net()
+        reference.load_state_dict(net.state_dict())
+        c = Coordinator(port=0)
+        threading.Thread(target=c.serve, daemon=True).start()
+        model = minidp.DDP(net, **kwargs)
+        policy = ft.AverageGradients(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        replica = ft.Replica(model, policy, ft.SampleStream(32, 8), replica_id=0, coordinator=f"127.0.0.1:{c.port}")
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(4):
+            with replica.step() as r:
+                idx = r.indices()
+                nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()  # through DDP's forward
+            nn.functional.cross_entropy(reference(x[idx]), y[idx]).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        replica.close()
+        out.append(all(torch.equal(a, b) for a, b in zip(net.parameters(), reference.parameters()))
+                   and net.unused.weight.grad is None and replica.committed == 4)
+    return out
+
+
+def test_every_ddp_keyword_set_composes():
+    """minidp.DDP's keywords act inside a replica; the replica's mean and step on top are plain SGD's."""
+    assert run_ranks(_one_replica_per_keyword_set, 1)[0] == [True] * len(DDP_KEYWORDS)
 
 
 # ------------------------------------------------------------------------------ bad input and misuse

@@ -30,7 +30,7 @@ LAYERS = {
     "launcher": 1, "runtime": 1,
     "engine": 2,
     "train": 3, "data": 3, "comm": 3, "sharded": 3,
-    "study": 4, "integrations": 4,
+    "study": 4, "integrations": 4, "ft": 4,
     # the public names: minidp/__init__.py and one-line modules (`python -m minidp.run`, minidp.hooks, ...)
     "__init__": 5, "run": 5, "explain": 5, "simulate": 5, "hooks": 5, "lightning": 5, "accelerate": 5,
 }

@@ -13,7 +13,7 @@ def test_dir_lists_the_public_names_only():
     names = dir(minidp)
     assert sorted(names) == sorted([*minidp.__all__, "__version__"])
     modules = {n for n in names if isinstance(getattr(minidp, n), types.ModuleType)}
-    assert modules == {"comm", "data", "hooks", "lr", "optim"}  # the public ones, by name
+    assert modules == {"comm", "data", "ft", "hooks", "lr", "optim"}  # the public ones, by name
     assert "importlib" not in names and "engine" not in names and "sharded" not in names
 
 

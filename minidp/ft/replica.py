@@ -104,7 +104,9 @@ class Replica:
     def quorum(self) -> dict:
         """Ask the open round's quorum until this replica trains in one, healing when told to."""
         while True:
+            asked = time.monotonic()
             q = self._ask()
+            q["waited_s"] = round(time.monotonic() - asked, 4)  # for the record: what a round waited for
             if q.get("end"):
                 self.close()  # the coordinator stops waiting for this replica
             if q.get("end") == "finished":
@@ -199,6 +201,8 @@ class Replica:
             means, why = None, why or f"collective failed: {type(exc).__name__}: {exc}"
         self.store.set(f"vote/{q['round']}/{self.id}", json.dumps({"ok": why is None, "why": why}))
         decision = json.loads(self._wait_get(f"decision/{q['round']}", time.monotonic() + self.quorum_timeout))
+        if decision["commit"] and means is None:  # cannot happen: a failed collective votes "no"
+            raise RuntimeError(f"replica {self.id}: round {q['round']} committed without this replica's mean")
         if decision["commit"]:
             self.policy.commit(means)
             self.committed += 1
@@ -209,7 +213,7 @@ class Replica:
             self.policy.discard()
             self.groups.pop(q["epoch"], None)  # a collective may have broken it
         entry = {"round": q["round"], "step": q["step"], "participants": q["participants"],
-                 "committed": decision["commit"], "why": decision["why"]}
+                 "committed": decision["commit"], "why": decision["why"], "waited_s": q["waited_s"]}
         self.history.append(entry)
         if self.record is not None:
             from .replay import state_hash

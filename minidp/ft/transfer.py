@@ -70,7 +70,8 @@ class StateServer:
         self.http = ThreadingHTTPServer((host, 0), Handler)
         self.http.daemon_threads = True
         self.address = f"{host}:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True, name="minidp-ft-state").start()
+        threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
+                         name="minidp-ft-state").start()
 
     def publish(self, round_id: int, state: dict) -> None:
         """Serialize `state` (tensors on the CPU) as the snapshot after round `round_id`."""
