@@ -5,6 +5,7 @@ each participant's state (model and policy) trains the round's body on its cut o
 their contributions are summed in rank order and divided by their count; every participant
 commits the mean. A heal copies the source's state to the joiner after the same number of
 committed rounds. A run whose replicas end bitwise equal to this lost nothing to its failures.
+Replay with the replicas' torch.get_num_threads(): a matmul's sums depend on it.
 """
 from __future__ import annotations
 
