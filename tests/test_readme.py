@@ -33,6 +33,8 @@ What changes before a README line runs, and nothing else:
     code block carries a language (but the Layout section's map); every path the READMEs name exists. The
     one-process snippets (all but mp.spawn's) run as files in a single process, one after
     another (tests/scripts/run_files.py: each as __main__ through runpy, as `python file.py` would);
+  * `python -m minidp.run --ft ... examples/fault_tolerant.py --kill 1@20` runs as written (3 replicas, one
+    killed and restarted); the minidp.ft loop snippet must be that example's, verbatim;
   * `make test` and `make demo` are not run (SKIPPED_MAKE says why); `make -n` checks each target.
 Every command has a timeout (its whole process tree is killed then) and OMP_NUM_THREADS=1; the
 commands are registered at collection and run in the background between other tests, two at a time
@@ -67,7 +69,7 @@ import common  # noqa: E402 - examples/common.py: the synthetic image folders
 README = os.path.join(ROOT, "README.md")
 EXAMPLES_README = os.path.join(ROOT, "examples", "README.md")  # holds the DALI loader snippet
 TIMEOUT_S = 240
-EXPECTED = {"bash": 14, "python": 5, "diff": 3}  # what README.md holds; a change must update this file
+EXPECTED = {"bash": 15, "python": 6, "diff": 3}  # what README.md holds; a change must update this file
 EXPECTED_EXAMPLES = {"python": 1}  # what examples/README.md holds
 SKIPPED_MAKE = {  # target: (why it is not run, what `make -n` must show)
     "test": ("`make test` runs the whole suite, this file included: it would recurse", "-m pytest"),
@@ -348,7 +350,21 @@ def checker(cmd: str, shown: str) -> Callable[[str], None]:
         return check_framework(cmd)
     if "examples/train_lm.py" in cmd:
         return check_train_lm(cmd)
+    if "examples/fault_tolerant.py" in cmd:
+        return check_fault_tolerant
     return check_example(cmd)
+
+
+def check_fault_tolerant(output: str) -> None:
+    """Replica 1 killed at step 20: the others end equal; it healed from a peer (then equal too) or, on a
+    machine too loaded for its restart to come in time, was told the run had finished."""
+    lines = re.findall(r"^replica (\d): 600 steps, accuracy ([\d.]+)(, healed at step \d+ from replica \d)?.*"
+                       r"state digest (\w+)$", output, re.M)
+    by_replica = {int(r): (acc, healed, digest) for r, acc, healed, digest in lines}
+    assert {0, 2} <= set(by_replica) and len({d for _, _, d in by_replica.values()}) == 1, output
+    assert "restarting replica 1 alone (restart 1 of 3)" in output, output
+    assert 1 in by_replica and by_replica[1][1] or "replica 1: the run finished at step 0 without it" in output, output
+    assert float(by_replica[0][0]) > 0.9, output
 
 
 def bash_items(blocks: List[Block]) -> List[Item]:
@@ -553,6 +569,12 @@ def python_items(blocks: List[Block], where: str = "") -> List[Item]:
             def check(output):
                 assert "restart fragment: the second run resumed at step 3 of 5" in output, output
             items.append(Item(key + " (restart fragment)", None, check, file=write))
+        elif "ft.Replica(" in text:  # the loop of examples/fault_tolerant.py, which the bash item runs
+            def check(output, text=text):
+                code = textwrap.indent(text.split("\n", 1)[1], "    ")
+                assert code in open(os.path.join(ROOT, "examples", "fault_tolerant.py")).read(), \
+                    "the README's minidp.ft loop is not examples/fault_tolerant.py's, verbatim"
+            items.append(Item(key + " (minidp.ft loop)", None, check))
         elif "image_folder_loader(" in text and HAVE_DALI:
             def write(ws, text=text):
                 source = replace_dots(text.replace('"imagenet/train"', repr(str(ws.imagenet / "train"))), DALI_DOTS)

@@ -150,9 +150,9 @@ class Replica:
                 failed.append(f"replica {source}: {type(exc).__name__}: {exc}")
                 continue
             self._load(state, source)
-            self.last_heal = {"round": r, "source": source, "seconds": time.monotonic() - started,
-                              "failed": failed}
-            self._record({"heal": True, "source": source, "committed": self.committed, **self.last_heal})
+            self.last_heal = {"round": r, "source": source, "committed": self.committed,
+                              "seconds": time.monotonic() - started, "failed": failed}
+            self._record({"heal": True, **self.last_heal})
             return
 
     def _wait_served(self, round_id: int, source: int) -> bytes:
@@ -198,7 +198,7 @@ class Replica:
             # Ranks meet: a failed participant still sends (zeros), so its peers never wait on it.
             means = self._mean(q, self.policy.contribution(failed=error is not None), rank, count)
         except Exception as exc:  # a peer died or hung: this round cannot commit
-            means, why = None, why or f"collective failed: {type(exc).__name__}: {exc}"
+            means, why = None, why or f"collective failed: {_first_sentence(exc)}"
         self.store.set(f"vote/{q['round']}/{self.id}", json.dumps({"ok": why is None, "why": why}))
         decision = json.loads(self._wait_get(f"decision/{q['round']}", time.monotonic() + self.quorum_timeout))
         if decision["commit"] and means is None:  # cannot happen: a failed collective votes "no"
@@ -305,6 +305,12 @@ class Round:
         self.committed = replica.finish(self.q, exc)
         replica.failures_in_a_row = replica.failures_in_a_row + 1 if exc is not None else 0
         return replica.failures_in_a_row < replica.max_consecutive_failures  # else re-raise
+
+
+def _first_sentence(exc: BaseException) -> str:
+    """gloo's error without its source path and its advice: "Connection closed by peer [...]:port"."""
+    text = str(exc).split("] ", 1)[-1] if str(exc).startswith("[") else str(exc)
+    return f"{type(exc).__name__}: {text.split('. ', 1)[0]}"
 
 
 def _from_env(value, var: str):
