@@ -299,3 +299,22 @@ def test_bad_launch_arguments_are_one_line_before_any_work():
     with pytest.raises(ValueError, match="MINIDP_FT_REPLICA_ID is not set"):
         ft.Replica(nn.Linear(1, 1), None)
     assert time.monotonic() - started < 1
+
+
+@pytest.mark.gpu
+def test_a_replica_on_a_gpu_averages_and_steps_like_plain_sgd():
+    """GPU-only (skipped here): gradients on the device, the mean's sums there too; count 1 (one GPU)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    net, reference = _Net().cuda(), _Net().cuda()
+    reference.load_state_dict(net.state_dict())
+    policy = ft.AverageGradients(torch.optim.SGD(net.parameters(), lr=0.1))
+    policy.attach(net)
+    x, y = ft_train.X[:8].cuda(), ft_train.Y[:8].cuda()
+    nn.functional.cross_entropy(net(x), y).backward()
+    policy.commit(ft.ordered_mean(policy.contribution(), None, 0, 1))
+    nn.functional.cross_entropy(reference(x), y).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), reference.parameters()))
+    assert net.unused.weight.grad is None

@@ -32,8 +32,10 @@ def ordered_mean(contributions: list[torch.Tensor], group, rank: int, count: int
         if count == 1:
             gathered = [mine]
         else:
-            gathered = [torch.empty_like(mine) for _ in range(count)]
-            group.allgather([gathered], [mine]).wait()  # ranks meet: every participant's tensor
+            sent = mine.cpu()  # gloo between replicas; the sums below happen where `mine` lives
+            gathered = [torch.empty_like(sent) for _ in range(count)]
+            group.allgather([gathered], [sent]).wait()  # ranks meet: every participant's tensor
+            gathered = [g.to(mine.device) for g in gathered]
         total = gathered[0].clone()
         for other in gathered[1:]:
             total.add_(other)
@@ -82,9 +84,10 @@ class AverageGradients:
             for i in idx:
                 p = self.params[i]
                 g = None if failed else p.grad
-                parts.append(torch.zeros(p.numel(), dtype=dtype) if g is None else g.detach().reshape(-1))
+                parts.append(torch.zeros(p.numel(), dtype=dtype, device=p.device) if g is None
+                             else g.detach().reshape(-1))
                 marks.append(0.0 if g is None else 1.0)
-            flats.append(torch.cat(parts + [torch.tensor(marks, dtype=dtype)]))
+            flats.append(torch.cat(parts + [torch.tensor(marks, dtype=dtype, device=parts[0].device)]))
         return flats
 
     def commit(self, means: list[torch.Tensor]) -> None:

@@ -175,6 +175,7 @@ class Replica:
     def _state(self, round_id: int) -> dict:
         return {"round": round_id, "committed": self.committed, "model": self.model.state_dict(),
                 "policy": self.policy.state_dict(), "rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                 "stream": None if self.stream is None else self.stream.state_dict()}
 
     def _load(self, state: dict, source: int) -> None:
@@ -184,6 +185,8 @@ class Replica:
         self.model.load_state_dict(state["model"])
         self.policy.load_state_dict(state["policy"])
         torch.set_rng_state(state["rng"])
+        if state.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
         if self.stream is not None:
             self.stream.load_state_dict(state["stream"])
         self.committed, self.has_state = state["committed"], True
