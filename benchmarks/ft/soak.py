@@ -44,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=3.0, help="collectives and transfers between replicas")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the summary here (default: nowhere)")
+    p.add_argument("--keep", default=None, help="keep the logs and the record in this folder (default: a temp one)")
     a = p.parse_args(argv)
     for name in ("replicas", "failures", "least"):
         if getattr(a, name) < 1:
@@ -61,8 +62,9 @@ def main(argv=None) -> int:
     print(f"soak: {a.replicas} replicas, {len(schedule)} failures scheduled over {duration:.0f} s "
           f"(gap {a.gap} s, hang {a.hang_s} s, timeout {a.timeout} s)", flush=True)
     with tempfile.TemporaryDirectory(prefix="ft-soak-") as tmp:
+        tmp = a.keep or tmp
         logs, record = os.path.join(tmp, "logs"), os.path.join(tmp, "record")
-        os.makedirs(record)
+        os.makedirs(record, exist_ok=True)
         start = time.time() + 1.0
         minidp_side.run(schedule, duration, a.replicas, logs, start, hang_s=a.hang_s, hang_timeout=a.timeout,
                         record=record)
@@ -104,6 +106,9 @@ def summarize(logs, record, schedule, start, duration) -> dict:
         "rounds_discarded": len(discarded), "replica_restarts": launcher.count("restarting replica"),
         "whole_run_restarts": launcher.count("restarting all"),
         "heals": len(heals), "heal_transfer_s": _spread([h["seconds"] for h in heals]),
+        # what the others wait for when a joiner comes back: their quorum wait in its first round
+        "peers_wait_at_a_join_s": _spread(_waits_at_joins(entries)),
+        "quorum_wait_s": _spread([e["waited_s"] for e in entries if not e.get("heal") and e["committed"]]),
         "kill_to_commit_s": _spread(gm.kill_to_commit(runs, schedule, start, end)),
         "failure_to_commit_s": _spread(gm.kill_to_commit(runs, schedule, start, end,
                                                          kinds=("kill", "exception", "hang"))),
@@ -112,11 +117,27 @@ def summarize(logs, record, schedule, start, duration) -> dict:
     }
 
 
+def _waits_at_joins(entries):
+    """The quorum waits of a joiner's peers in the first round it takes part in after a heal."""
+    rounds = {}
+    for e in entries:
+        if not e.get("heal"):
+            rounds.setdefault(e["round"], []).append(e)
+    waits = []
+    for h in (e for e in entries if e.get("heal") and e["committed"] > 0):
+        joined = [r for r, es in rounds.items() if r > h["round"] and h["replica"] in es[0]["participants"]]
+        if joined:
+            waits += [e["waited_s"] for e in rounds[min(joined)] if e["replica"] != h["replica"]]
+    return waits
+
+
 def _entries(record):
+    """Every recorded entry of every replica, with its replica id."""
     out = []
     for name in sorted(os.listdir(record)):
+        replica = int(name[len("replica"):-len(".jsonl")])
         with open(os.path.join(record, name)) as f:
-            out += [json.loads(line) for line in f]
+            out += [{"replica": replica, **json.loads(line)} for line in f]
     return out
 
 
