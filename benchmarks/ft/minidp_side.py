@@ -22,7 +22,7 @@ GRACE_S = 60.0
 
 def run(schedule, duration_s: float, replicas: int, log_dir: str, run_start: float, *, hang_s: float = 6.0,
         hang_timeout: float = 3.0, join_timeout: float = 2.0, max_restarts: int = 100000, record=None,
-        min_replicas: int = 1, **_ignored) -> None:
+        min_replicas: int = 1, width: int = 1024, **_ignored) -> None:
     """Run minidp.ft until run_start + duration_s; the event logs go to log_dir.
 
     Args:
@@ -37,6 +37,7 @@ def run(schedule, duration_s: float, replicas: int, log_dir: str, run_start: flo
         max_restarts: restarts of single replicas in the whole run. Default 100000.
         record: a folder to record every round in, for the replay (soak.py). Default None.
         min_replicas: the fewest replicas a round trains with. Default 1.
+        width: the workload MLP's width. Default 1024 (the goodput benchmark's model).
 
     Raises:
         RuntimeError: the launcher ended with a failure (its log is named).
@@ -52,7 +53,7 @@ def run(schedule, duration_s: float, replicas: int, log_dir: str, run_start: flo
                "--join-timeout", str(join_timeout), "--timeout", str(deadline + GRACE_S - time.time()),
                os.path.join(HERE, "minidp_worker.py"), "--log-dir", log_dir, "--schedule", schedule_path,
                "--run-start", repr(run_start), "--deadline", repr(deadline), "--hang-s", str(hang_s),
-               "--timeout", str(hang_timeout)] + (["--record", record] if record else [])
+               "--timeout", str(hang_timeout), "--width", str(width)] + (["--record", record] if record else [])
         launcher_log = os.path.join(log_dir, "launcher.log")
         with open(launcher_log, "ab") as out:
             code = subprocess.call(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)

@@ -22,13 +22,13 @@ from event_log import EventLog  # noqa: E402 - before torch's import: "start" is
 BATCH = 64
 
 
-def build():
+def build(width: int = 1024):
     """(model, policy, stream) as every replica (and the replay) builds them."""
     import torch
     from workload import make_model
 
     from minidp import ft
-    model = make_model(0)
+    model = make_model(0, width)
     policy = ft.AverageGradients(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     return model, policy, ft.SampleStream(8192, BATCH, seed=0)
 
@@ -62,6 +62,7 @@ def main(argv=None) -> None:
     p.add_argument("--hang-s", type=float, default=6.0)
     p.add_argument("--timeout", type=float, default=3.0, help="collectives and transfers between replicas, s")
     p.add_argument("--record", default=None, help="record the rounds for a replay (slower: a digest a commit)")
+    p.add_argument("--width", type=int, default=1024, help="the MLP's width (default 1024: 1.3 M parameters)")
     a = p.parse_args(argv)
     replica_id = int(os.environ["MINIDP_FT_REPLICA_ID"])
     log = EventLog(a.log_dir, replica_id)
@@ -74,7 +75,7 @@ def main(argv=None) -> None:
     from minidp import ft
     torch.set_num_threads(1)
     injector = Injector(a.schedule, replica_id, a.run_start, hang_s=a.hang_s)
-    model, policy, stream = build()
+    model, policy, stream = build(a.width)
     replica = ft.Replica(model, policy, stream, timeout=a.timeout, record=a.record)
     while time.time() < a.deadline:
         with replica.step() as r:

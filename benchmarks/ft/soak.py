@@ -1,12 +1,13 @@
 """The soak: hundreds of failures of all three kinds in one minidp.ft run, and nothing lost.
 
-    python benchmarks/ft/soak.py                       # 5 replicas, 260 failures scheduled, ~11 min
+    python benchmarks/ft/soak.py                       # 4 replicas, 500 failures scheduled, ~17 min
     python benchmarks/ft/soak.py --failures 20 --gap 2 # a short one
 
 One `python -m minidp.run --ft` run of benchmarks/ft/minidp_worker.py (the goodput benchmark's
 workload) meets a random schedule (workload.make_schedule: exception, kill, hang in turn, on random
 replicas, at least --gap seconds apart). An event whose replica is down at its time cannot fire;
-the schedule is longer than --least so that at least that many do. Every replica records its rounds
+the schedule is longer than --least so that at least that many do (about half fire here: a replica
+restarting after a kill takes seconds, torch's import, and one hung sleeps --hang-s). Every replica records its rounds
 (minidp.ft.Replica(record=...)); afterwards minidp.ft.replay replays the recorded membership in one
 process with no failure machinery. Nothing lost means: every step committed once with one set of
 participants (no fork), steps 0 ... n-1 without a gap, every participant's digest after every commit
@@ -36,10 +37,12 @@ from workload import make_schedule  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--replicas", type=int, default=5)
-    p.add_argument("--failures", type=int, default=260, help="events scheduled (default 260)")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--failures", type=int, default=500, help="events scheduled (default 500)")
     p.add_argument("--least", type=int, default=200, help="fired failures the soak must reach (default 200)")
-    p.add_argument("--gap", type=float, default=2.5, help="least seconds between two events (default 2.5)")
+    p.add_argument("--gap", type=float, default=2.0, help="least seconds between two events (default 2)")
+    p.add_argument("--width", type=int, default=256,
+                   help="the workload MLP's width (default 256: 0.33 M parameters, a light load on 2 cores)")
     p.add_argument("--hang-s", type=float, default=6.0)
     p.add_argument("--timeout", type=float, default=3.0, help="collectives and transfers between replicas")
     p.add_argument("--seed", type=int, default=0)
@@ -67,8 +70,8 @@ def main(argv=None) -> int:
         os.makedirs(record, exist_ok=True)
         start = time.time() + 1.0
         minidp_side.run(schedule, duration, a.replicas, logs, start, hang_s=a.hang_s, hang_timeout=a.timeout,
-                        record=record)
-        summary = summarize(logs, record, schedule, start, duration)
+                        record=record, width=a.width)
+        summary = summarize(logs, record, schedule, start, duration, a.width)
     for key, value in summary.items():
         print(f"  {key}: {value}")
     if a.json:
@@ -79,7 +82,7 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
-def summarize(logs, record, schedule, start, duration) -> dict:
+def summarize(logs, record, schedule, start, duration, width) -> dict:
     import torch
 
     from minidp.ft.replay import check_run
@@ -91,7 +94,7 @@ def summarize(logs, record, schedule, start, duration) -> dict:
         if (e["replica"], e["at_s"]) in fired:
             kinds[e["kind"]] += 1
     t0 = time.monotonic()
-    report = check_run(record, minidp_worker.build, minidp_worker.body)
+    report = check_run(record, lambda: minidp_worker.build(width), minidp_worker.body)
     replay_s = time.monotonic() - t0
     entries = _entries(record)
     heals = [e for e in entries if e.get("heal") and e["committed"] > 0]

@@ -22,11 +22,11 @@ KINDS = ("exception", "kill", "hang")
 FEATURES, WIDTH, CLASSES = 256, 1024, 10
 
 
-def make_model(seed: int = 0) -> nn.Module:
-    """The benchmark's MLP (1.3 M parameters), the same weights for the same seed."""
+def make_model(seed: int = 0, width: int = WIDTH) -> nn.Module:
+    """The benchmark's MLP (1.3 M parameters at the default width), the same weights for the same seed."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(),
-                         nn.Linear(WIDTH, CLASSES))
+    return nn.Sequential(nn.Linear(FEATURES, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, CLASSES))
 
 
 def make_data(samples: int = 8192, seed: int = 1):
