@@ -295,10 +295,23 @@ def test_bad_launch_arguments_are_one_line_before_any_work():
                                                       "--nproc-per-node 3 (the replicas there are)")
     with pytest.raises(ValueError, match="min_replicas=3 is larger than the 2 replicas"):
         Coordinator(port=0, min_replicas=3, max_replicas=2)
+    lin, _ = nn.Linear(1, 1), ft.Replica  # imported: what follows is checks only
     started = time.monotonic()
     with pytest.raises(ValueError, match="MINIDP_FT_REPLICA_ID is not set"):
-        ft.Replica(nn.Linear(1, 1), None)
+        ft.Replica(lin, ft.AverageGradients(torch.optim.SGD(lin.parameters(), lr=0.1)))
+    with pytest.raises(TypeError, match=r"policy=SGD is not a round policy \(no attach\(\)\)"):
+        ft.Replica(nn.Linear(1, 1), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), replica_id=0,
+                   coordinator="127.0.0.1:1")
+    with pytest.raises(ValueError, match="period=0 must be an int >= 1"):
+        sgd = torch.optim.SGD(lin.parameters(), lr=1)
+        ft.DiLoCo(sgd, sgd, 0)
     assert time.monotonic() - started < 1
+    taken = Coordinator(port=0)
+    r = subprocess.run([sys.executable, "-m", "minidp.ft.coordinator", "--port", str(taken.port)],
+                       capture_output=True, text=True, env=clean_env(), timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith(f"minidp.ft.coordinator: error: cannot listen on 127.0.0.1:"
+                                                     f"{taken.port}"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 @pytest.mark.gpu

@@ -205,6 +205,10 @@ def main(argv=None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"minidp.ft.coordinator: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # the port is taken, or the address is not this machine's
+        print(f"minidp.ft.coordinator: error: cannot listen on {a.host}:{a.port}: {str(exc).splitlines()[0]}",
+              file=sys.stderr)
+        return 2
     _say(f"coordinator listening on {a.host}:{c.port} (min_replicas={a.min_replicas})")
     c.serve()
     return 0

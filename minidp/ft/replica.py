@@ -49,6 +49,13 @@ class Replica:
 
     def __init__(self, model, policy, stream=None, replica_id=None, coordinator=None, timeout=10.0,
                  quorum_timeout=300.0, max_consecutive_failures=3, events=None, record=None):
+        missing = [m for m in ("attach", "begin", "contribution", "commit", "discard", "state_dict")
+                   if not hasattr(policy, m)]
+        if missing:
+            raise TypeError(f"policy={type(policy).__name__} is not a round policy (no {missing[0]}()): pass "
+                            "ft.AverageGradients(optimizer) or ft.DiLoCo(inner, outer, period)")
+        if stream is not None and not hasattr(stream, "indices"):
+            raise TypeError(f"stream={type(stream).__name__} must be an ft.SampleStream or None")
         self.model, self.policy, self.stream = model, policy, stream
         self.id = check_int("replica_id", _from_env(replica_id, "MINIDP_FT_REPLICA_ID"), low=0)
         self.timeout = check_number("timeout", timeout, positive=True)
