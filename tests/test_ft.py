@@ -295,15 +295,14 @@ def test_bad_launch_arguments_are_one_line_before_any_work():
                                                       "--nproc-per-node 3 (the replicas there are)")
     with pytest.raises(ValueError, match="min_replicas=3 is larger than the 2 replicas"):
         Coordinator(port=0, min_replicas=3, max_replicas=2)
-    lin, _ = nn.Linear(1, 1), ft.Replica  # imported: what follows is checks only
+    lin = nn.Linear(1, 1)
+    sgd = torch.optim.SGD(lin.parameters(), lr=0.1)  # the first optimizer imports seconds of torch
     started = time.monotonic()
     with pytest.raises(ValueError, match="MINIDP_FT_REPLICA_ID is not set"):
-        ft.Replica(lin, ft.AverageGradients(torch.optim.SGD(lin.parameters(), lr=0.1)))
+        ft.Replica(lin, ft.AverageGradients(sgd))
     with pytest.raises(TypeError, match=r"policy=SGD is not a round policy \(no attach\(\)\)"):
-        ft.Replica(nn.Linear(1, 1), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), replica_id=0,
-                   coordinator="127.0.0.1:1")
+        ft.Replica(lin, sgd, replica_id=0, coordinator="127.0.0.1:1")
     with pytest.raises(ValueError, match="period=0 must be an int >= 1"):
-        sgd = torch.optim.SGD(lin.parameters(), lr=1)
         ft.DiLoCo(sgd, sgd, 0)
     assert time.monotonic() - started < 1
     taken = Coordinator(port=0)
