@@ -42,6 +42,7 @@ def test_rate_counts_each_step_index_once_within_the_window(restart_run):
     # steps 0-11 are distinct (5-9 redone): 12 in a 20 s window; a 10.5 s window holds 0-9
     assert gm.committed_rate(restart_run, T0, 20.0) == pytest.approx(12 / 20)
     assert gm.committed_rate(restart_run, T0, 10.5) == pytest.approx(10 / 10.5)
+    assert gm.committed_rate(restart_run, T0, 20.0, per_replica=True) == pytest.approx(24 / 20)
     with pytest.raises(ValueError, match="duration_s=0"):
         gm.committed_rate(restart_run, T0, 0)
 

@@ -8,6 +8,9 @@ The measures, all over the run's window [run_start, run_start + duration_s]:
   committed steps/s   distinct step indices committed in the window / duration_s (a step redone
                       after a restart counts once: its index repeats)
   goodput             that rate / the failure-free run's rate (same mode, same duration)
+  replica-steps/s     distinct (step index, replica) pairs committed in the window / duration_s:
+                      the batches that went into committed steps (a step of 2 live replicas of 3
+                      counts 2/3 of a full one); its goodput likewise
   kill -> commit      for each scheduled kill, from when it fired (its "failure" event; else
                       run_start + at_s), the time to the first commit by ANY replica after it
                       (a straggler finishing a step committed before the kill excepted: see
@@ -67,12 +70,17 @@ def read_logs(log_dir: str) -> List[dict]:
     return runs
 
 
-def committed_rate(runs: List[dict], run_start: float, duration_s: float) -> float:
-    """Distinct step indices committed within [run_start, run_start + duration_s], per second."""
+def committed_rate(runs: List[dict], run_start: float, duration_s: float, per_replica: bool = False) -> float:
+    """Distinct step indices committed within [run_start, run_start + duration_s], per second.
+
+    Args:
+        per_replica: count distinct (step, replica) pairs instead: replica-steps, each a replica's
+            batch (a step committed by fewer live replicas counts less). Default False.
+    """
     if duration_s <= 0:
         raise ValueError(f"duration_s={duration_s!r} must be > 0")
     end = run_start + duration_s
-    steps = {s for r in runs for t, s in r["commits"] if run_start <= t <= end}
+    steps = {(s, r["replica"]) if per_replica else s for r in runs for t, s in r["commits"] if run_start <= t <= end}
     return len(steps) / duration_s
 
 
@@ -167,14 +175,17 @@ def summarize(runs: List[dict], schedule: Iterable[dict], run_start: float, dura
         runs: read_logs' list.
         schedule: the failure schedule the run met ([] for a failure-free run).
         run_start, duration_s: the window.
-        baseline_rate: the failure-free run's committed steps/s. Default None: no goodput.
+        baseline_rate: the failure-free run's committed steps/s. Default None: no goodput (the
+            replica-step goodput is the caller's: this rate over the baseline's).
     """
     end = run_start + duration_s
     rate = committed_rate(runs, run_start, duration_s)
+    replica_rate = committed_rate(runs, run_start, duration_s, per_replica=True)
     schedule = list(schedule)
     return {
         "committed_steps_per_s": rate,
         "goodput": rate / baseline_rate if baseline_rate else None,
+        "committed_replica_steps_per_s": replica_rate,
         "incarnations": len(runs),
         "failures_scheduled": sum(1 for e in schedule if e["at_s"] < duration_s),
         "failures_fired": len(fired_failures(runs)),
