@@ -68,16 +68,20 @@ class Coordinator:
         self.newest, self.holders = 0, set()  # the run's committed steps, and who committed the last
 
     # ----------------------------------------------------------------------------------- the loop
-    def serve(self, stop_after_s: float | None = None) -> None:
-        """Run rounds until every replica has left (`left/<id>` for all), or `stop_after_s` passes."""
+    def serve(self, stop_after_s: float | None = None) -> int:
+        """Run rounds until every replica has left (`left/<id>` for all: 0), the run's newest state is
+        lost with the replicas that held it (1), or `stop_after_s` passes (0)."""
         deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
         while deadline is None or time.monotonic() < deadline:
             self.round += 1
             quorum = self._form_quorum(deadline)
             if quorum is None:
-                return
+                return 0
             self._announce(quorum)
             self.store.set(f"quorum/{self.round}", json.dumps(quorum))
+            if quorum.get("end", "").startswith("lost"):
+                time.sleep(1.0)  # the replicas waiting on this round read it before the store goes
+                return 1
             committed = self._decide(quorum) if quorum["participants"] and quorum["train"] else True
             if committed and quorum["train"]:
                 self.newest, self.holders = quorum["step"] + 1, set(quorum["participants"])
@@ -210,8 +214,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     _say(f"coordinator listening on {a.host}:{c.port} (min_replicas={a.min_replicas})")
-    c.serve()
-    return 0
+    return c.serve()
 
 
 if __name__ == "__main__":

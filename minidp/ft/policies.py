@@ -18,7 +18,8 @@ import copy
 import torch
 
 
-def ordered_mean(contributions: list[torch.Tensor], group, rank: int, count: int) -> list[torch.Tensor]:
+def ordered_mean(contributions: list[torch.Tensor], group, rank: int, count: int,
+                 buffers: list | None = None) -> list[torch.Tensor]:
     """The mean over `count` participants of each flat tensor, summed in rank order.
 
     Args:
@@ -26,6 +27,8 @@ def ordered_mean(contributions: list[torch.Tensor], group, rank: int, count: int
         group: a torch ProcessGroup over the participants (unused when count == 1).
         rank: this participant's rank in `group`.
         count: the participants.
+        buffers: a list to append the receive buffers to (the caller keeps them alive if the
+            collective fails: a late peer's data may still land in them). Default None.
     """
     means = []
     for mine in contributions:
@@ -34,6 +37,8 @@ def ordered_mean(contributions: list[torch.Tensor], group, rank: int, count: int
         else:
             sent = mine.cpu()  # gloo between replicas; the sums below happen where `mine` lives
             gathered = [torch.empty_like(sent) for _ in range(count)]
+            if buffers is not None:
+                buffers.append((sent, gathered))
             group.allgather([gathered], [sent]).wait()  # ranks meet: every participant's tensor
             gathered = [g.to(mine.device) for g in gathered]
         total = gathered[0].clone()

@@ -27,7 +27,10 @@ import torch.distributed as dist
 
 from ..validate import check_int, check_number
 from .membership import HEARTBEAT_S, LEASE_S
+from .policies import ordered_mean
 from .transfer import StateServer, fetch_state, first_mismatch, signature
+
+GRAVEYARD = 8  # failed collectives whose groups and buffers are kept alive
 
 
 class Replica:
@@ -69,6 +72,7 @@ class Replica:
         self.last_round = 0  # the newest round this replica asked in
         self.history: list[dict] = []  # one entry per round this replica trained in
         self.groups: dict = {}  # epoch -> process group between that epoch's participants
+        self.graveyard: list = []  # (group, buffers) of the last failed collectives, kept alive
         self._claim_id()
         self.server = StateServer(_reachable_host(self.coordinator))
         self._log("start")
@@ -236,14 +240,27 @@ class Replica:
     def _mean(self, q, contribution, rank, count):
         if count == 1:
             return contribution
+        if self.store.check([f"decision/{q['round']}"]):  # decided without us: send nothing late
+            raise RuntimeError(f"round {q['round']} was decided before this replica reached its collective")
         group = self.groups.get(q["epoch"])
         if group is None:
             self.groups = {}  # the old epochs' groups are done with
             store = dist.PrefixStore(f"pg/{q['epoch']}", self.store)
             group = dist.ProcessGroupGloo(store, rank, count, timedelta(seconds=self.timeout))
             self.groups[q["epoch"]] = group
-        from .policies import ordered_mean
-        return ordered_mean(contribution, group, rank, count)
+        buffers: list = []
+        try:
+            return ordered_mean(contribution, group, rank, count, buffers)
+        except Exception:
+            # A timed-out receive may still be filled when the late peer sends: abort the group, and
+            # keep it and its buffers alive (the last few failures' only) so that no other tensor
+            # ever takes their memory while a write can still land there.
+            try:
+                group.abort()
+            except Exception:
+                pass
+            self.graveyard = (self.graveyard + [(group, buffers)])[-GRAVEYARD:]
+            raise
 
     # ---------------------------------------------------------------------------------- helpers
     def _wait_get(self, key: str, deadline: float) -> bytes:

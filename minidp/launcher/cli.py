@@ -137,8 +137,7 @@ def _run_ft(a: argparse.Namespace) -> int:
                          f"{a.nproc_per_node} (the replicas there are)")
     if a.join_timeout <= 0:
         raise ValueError(f"--join-timeout {a.join_timeout} must be > 0")
-    code = "from minidp.launcher.cli import _run_script_as_worker as r; import sys; r(sys.argv[1], sys.argv[2:])"
-    return run_replicas(a, code)
+    return run_replicas(a)
 
 
 def _run_attempts(a: argparse.Namespace) -> int:
