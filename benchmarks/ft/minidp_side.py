@@ -21,7 +21,7 @@ GRACE_S = 60.0
 
 
 def run(schedule, duration_s: float, replicas: int, log_dir: str, run_start: float, *, hang_s: float = 6.0,
-        hang_timeout: float = 3.0, join_timeout: float = 2.0, max_restarts: int = 100000, record=None,
+        hang_timeout: float = 3.0, join_timeout: float = 3.0, max_restarts: int = 100000, record=None,
         min_replicas: int = 1, width: int = 1024, **_ignored) -> None:
     """Run minidp.ft until run_start + duration_s; the event logs go to log_dir.
 
@@ -33,7 +33,7 @@ def run(schedule, duration_s: float, replicas: int, log_dir: str, run_start: flo
         run_start: the run's start, time.time() seconds.
         hang_s: how long a `hang` sleeps. Default 6.0.
         hang_timeout: collectives' and transfers' timeout between replicas, seconds. Default 3.0.
-        join_timeout: how long a round waits for a silent replica. Default 2.0.
+        join_timeout: how long a round waits for a silent replica. Default 3.0 (torchft_side.py's too).
         max_restarts: restarts of single replicas in the whole run. Default 100000.
         record: a folder to record every round in, for the replay (soak.py). Default None.
         min_replicas: the fewest replicas a round trains with. Default 1.
