@@ -70,3 +70,13 @@ class EventLog:
     def _write(self, fields: dict) -> None:
         line = json.dumps({"t": time.time(), "replica": self.replica, **fields}) + "\n"
         os.write(self._fd, line.encode())
+
+
+def add_run_arguments(p) -> None:
+    """The arguments every mode's worker takes: where to log, the schedule, the run's window, the hang."""
+    p.add_argument("--log-dir", required=True, help="the event logs' folder")
+    p.add_argument("--schedule", required=True, help="the failure schedule's JSON file")
+    p.add_argument("--run-start", type=float, required=True, help="the run's start, time.time() seconds")
+    p.add_argument("--deadline", type=float, required=True, help="the run's end, time.time() seconds")
+    p.add_argument("--hang-s", type=float, default=6.0, help="how long a hang sleeps (default 6)")
+

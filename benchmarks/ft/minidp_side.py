@@ -8,15 +8,15 @@ and the hung replica is left out until it wakes and heals.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from workload import launch  # noqa: E402
+
 GRACE_S = 60.0
 
 
@@ -43,19 +43,12 @@ def run(schedule, duration_s: float, replicas: int, log_dir: str, run_start: flo
         RuntimeError: the launcher ended with a failure (its log is named).
     """
     os.makedirs(log_dir, exist_ok=True)
+    deadline = run_start + duration_s
     with tempfile.TemporaryDirectory(prefix="ft-minidp-") as tmp:
-        schedule_path = os.path.join(tmp, "schedule.json")
-        with open(schedule_path, "w") as f:
-            json.dump(list(schedule), f)
-        deadline = run_start + duration_s
-        cmd = [sys.executable, "-m", "minidp.run", "--ft", "--nproc-per-node", str(replicas),
-               "--max-restarts", str(max_restarts), "--min-replicas", str(min_replicas),
-               "--join-timeout", str(join_timeout), "--timeout", str(deadline + GRACE_S - time.time()),
-               os.path.join(HERE, "minidp_worker.py"), "--log-dir", log_dir, "--schedule", schedule_path,
-               "--run-start", repr(run_start), "--deadline", repr(deadline), "--hang-s", str(hang_s),
-               "--timeout", str(hang_timeout), "--width", str(width)] + (["--record", record] if record else [])
-        launcher_log = os.path.join(log_dir, "launcher.log")
-        with open(launcher_log, "ab") as out:
-            code = subprocess.call(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    if code != 0:
-        raise RuntimeError(f"minidp.ft: minidp.run --ft exited with {code}; its output: {launcher_log}")
+        launch(["-m", "minidp.run", "--ft", "--nproc-per-node", str(replicas), "--max-restarts", str(max_restarts),
+                "--min-replicas", str(min_replicas), "--join-timeout", str(join_timeout),
+                "--timeout", str(deadline + GRACE_S - time.time()), os.path.join(HERE, "minidp_worker.py"),
+                "--log-dir", log_dir, "--schedule", "{schedule}", "--run-start", repr(run_start),
+                "--deadline", repr(deadline), "--hang-s", str(hang_s), "--timeout", str(hang_timeout),
+                "--width", str(width)] + (["--record", record] if record else []), schedule, tmp, log_dir,
+               "minidp.ft: minidp.run --ft")

@@ -17,7 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from event_log import EventLog  # noqa: E402 - before torch's import: "start" is the process's start
+from event_log import EventLog, add_run_arguments  # noqa: E402 - before torch's import: "start" is the process's start
 
 BATCH = 64
 
@@ -55,11 +55,7 @@ def _data():
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--log-dir", required=True)
-    p.add_argument("--schedule", required=True)
-    p.add_argument("--run-start", type=float, required=True)
-    p.add_argument("--deadline", type=float, required=True)
-    p.add_argument("--hang-s", type=float, default=6.0)
+    add_run_arguments(p)
     p.add_argument("--timeout", type=float, default=3.0, help="collectives and transfers between replicas, s")
     p.add_argument("--record", default=None, help="record the rounds for a replay (slower: a digest a commit)")
     p.add_argument("--width", type=int, default=1024, help="the MLP's width (default 1024: 1.3 M parameters)")

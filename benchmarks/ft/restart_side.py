@@ -9,15 +9,15 @@ rendezvous and the checkpoint load. A hang shorter than `hang_timeout` only stal
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from workload import launch  # noqa: E402
+
 GRACE_S = 30.0  # past the deadline: the ranks stop at their next vote, or the launcher's --timeout ends them
 
 
@@ -44,18 +44,10 @@ def run(schedule, duration_s: float, replicas: int, log_dir: str, run_start: flo
     if every < 1:
         raise ValueError(f"every={every!r} must be >= 1")
     os.makedirs(log_dir, exist_ok=True)
+    deadline = run_start + duration_s
     with tempfile.TemporaryDirectory(prefix="ft-restart-") as tmp:
-        schedule_path = os.path.join(tmp, "schedule.json")
-        with open(schedule_path, "w") as f:
-            json.dump(list(schedule), f)
-        deadline = run_start + duration_s
-        cmd = [sys.executable, "-m", "minidp.run", "--nproc-per-node", str(replicas),
-               "--max-restarts", str(max_restarts), "--timeout", str(deadline + GRACE_S - time.time()),
-               os.path.join(HERE, "restart_worker.py"), "--log-dir", log_dir, "--ckpt-dir", tmp,
-               "--schedule", schedule_path, "--run-start", repr(run_start), "--deadline", repr(deadline),
-               "--every", str(every), "--hang-s", str(hang_s), "--hang-timeout", str(hang_timeout)]
-        launcher_log = os.path.join(log_dir, "launcher.log")
-        with open(launcher_log, "ab") as out:
-            code = subprocess.call(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    if code != 0:
-        raise RuntimeError(f"restart path: minidp.run exited with {code}; its output: {launcher_log}")
+        launch(["-m", "minidp.run", "--nproc-per-node", str(replicas), "--max-restarts", str(max_restarts),
+                "--timeout", str(deadline + GRACE_S - time.time()), os.path.join(HERE, "restart_worker.py"),
+                "--log-dir", log_dir, "--ckpt-dir", tmp, "--schedule", "{schedule}", "--run-start", repr(run_start),
+                "--deadline", repr(deadline), "--every", str(every), "--hang-s", str(hang_s),
+                "--hang-timeout", str(hang_timeout)], schedule, tmp, log_dir, "restart path: minidp.run")

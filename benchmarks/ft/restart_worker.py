@@ -18,21 +18,17 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from event_log import EventLog  # noqa: E402 - before torch's import: "start" is the process's start
+from event_log import EventLog, add_run_arguments  # noqa: E402 - before torch's import: "start" is the process's start
 
 STOP_EVERY = 10  # steps between the ranks' stop votes (one tiny all-reduce): a past-deadline overshoot is harmless
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--log-dir", required=True, help="the event logs' folder")
+    add_run_arguments(p)
     p.add_argument("--ckpt-dir", required=True, help="where the checkpoint goes (a fresh folder per run)")
-    p.add_argument("--schedule", required=True, help="the failure schedule's JSON file")
-    p.add_argument("--run-start", type=float, required=True, help="the run's start, time.time() seconds")
-    p.add_argument("--deadline", type=float, required=True, help="the run's end, time.time() seconds")
     p.add_argument("--every", type=int, default=20, help="steps between checkpoints (default 20)")
     p.add_argument("--batch", type=int, default=64, help="samples per rank and step (default 64)")
-    p.add_argument("--hang-s", type=float, default=6.0, help="how long a hang sleeps (default 6)")
     p.add_argument("--hang-timeout", type=float, default=3.0, help="gloo's collective timeout, s (default 3)")
     return p.parse_args(argv)
 

@@ -23,20 +23,16 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from event_log import EventLog  # noqa: E402 - before torch's import: "start" is the process's start
+from event_log import EventLog, add_run_arguments  # noqa: E402 - before torch's import: "start" is the process's start
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_arguments(p)
     p.add_argument("--replica", type=int, required=True, help="this replica group's id")
     p.add_argument("--replicas", type=int, required=True, help="replica groups in the run (the data's stride)")
     p.add_argument("--lighthouse", required=True, help="the lighthouse's address")
-    p.add_argument("--log-dir", required=True, help="the event logs' folder")
-    p.add_argument("--schedule", required=True, help="the failure schedule's JSON file")
-    p.add_argument("--run-start", type=float, required=True, help="the run's start, time.time() seconds")
-    p.add_argument("--deadline", type=float, required=True, help="the run's end, time.time() seconds")
     p.add_argument("--batch", type=int, default=64, help="samples per replica and step (default 64)")
-    p.add_argument("--hang-s", type=float, default=6.0, help="how long a hang sleeps (default 6)")
     p.add_argument("--timeout", type=float, default=3.0,
                    help="the gloo collective timeout and the Manager's (commit vote, healing), s (default 3)")
     p.add_argument("--fix-dummy-work", action="store_true",

@@ -89,3 +89,25 @@ class Injector:
                 time.sleep(self.hang_s)
             else:
                 raise InjectedFailure(f"injected failure at {now:.2f} s")
+
+
+def launch(cmd: list, schedule, folder: str, log_dir: str, what: str) -> None:
+    """Write `schedule` to folder/schedule.json, run `cmd` (its output to log_dir/launcher.log), check it.
+
+    `cmd` names the schedule's file as the string "{schedule}".
+
+    Raises:
+        RuntimeError: the command exited non-zero (its log is named).
+    """
+    import subprocess
+    import sys
+    path = os.path.join(folder, "schedule.json")
+    with open(path, "w") as f:
+        json.dump(list(schedule), f)
+    launcher_log = os.path.join(log_dir, "launcher.log")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(launcher_log, "ab") as out:
+        code = subprocess.call([sys.executable, *[c.replace("{schedule}", path) for c in cmd]], cwd=root,
+                               stdout=out, stderr=subprocess.STDOUT)
+    if code != 0:
+        raise RuntimeError(f"{what} exited with {code}; its output: {launcher_log}")
