@@ -331,3 +331,16 @@ def test_a_replica_on_a_gpu_averages_and_steps_like_plain_sgd():
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
     assert all(torch.equal(a, b) for a, b in zip(net.parameters(), reference.parameters()))
     assert net.unused.weight.grad is None
+
+
+def test_the_record_gives_heals_in_the_order_they_happened(tmp_path):
+    """Replica 0 healed from 2 after 2 had healed from 1 (both after one commit): replay must copy 1's state
+    to 2 first. The files are read in id order, so the heals must be put back in round order."""
+    lines = {0: [{"heal": True, "round": 7, "source": 2, "committed": 1}],
+             1: [{"round": 3, "step": 0, "participants": [1], "committed": True, "hash": "x"}],
+             2: [{"heal": True, "round": 5, "source": 1, "committed": 1}]}
+    for replica, entries in lines.items():
+        (tmp_path / f"replica{replica}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+    rounds, heals, digests = read_record(str(tmp_path))
+    assert [(h["replica"], h["source"]) for h in heals] == [(2, 1), (0, 2)]
+    assert rounds == [{"step": 0, "participants": [1]}] and digests == {(0, 1): "x"}

@@ -28,8 +28,8 @@ def replay(build, body, rounds: list, heals: list) -> tuple[dict, dict]:
         build: () -> (model, policy, stream): a fresh replica as the run builds it (same seed).
         body: (model, policy, stream, rank, count) -> None: one round's training, as the run's.
         rounds: the committed rounds in order: {"step", "participants"} each.
-        heals: {"replica", "source", "committed"}: who loaded whose state after how many commits.
-            The run's start is a heal from the seed replica at 0 commits.
+        heals: {"replica", "source", "committed"}: who loaded whose state after how many commits, in
+            the order they happened. The run's start is a heal from the seed replica at 0 commits.
     """
     model, policy, stream = build()
     policy.attach(model)
@@ -109,7 +109,8 @@ def read_record(folder: str) -> tuple[list, list, dict]:
         with open(path) as f:
             for entry in map(json.loads, f):
                 if entry.get("heal"):
-                    heals.append({"replica": replica, "source": entry["source"], "committed": entry["committed"]})
+                    heals.append({"replica": replica, "source": entry["source"], "committed": entry["committed"],
+                                  "round": entry["round"]})
                 elif entry["committed"]:
                     parts = by_step.setdefault(entry["step"], tuple(entry["participants"]))
                     if parts != tuple(entry["participants"]):
@@ -119,6 +120,7 @@ def read_record(folder: str) -> tuple[list, list, dict]:
     steps = sorted(by_step)
     if steps != list(range(len(steps))):
         raise AssertionError(f"committed steps are not 0 ... n-1 without a gap: {steps}")
+    heals.sort(key=lambda h: h["round"])  # in the order they happened: a source may have healed first
     return [{"step": s, "participants": list(by_step[s])} for s in steps], heals, digests
 
 
