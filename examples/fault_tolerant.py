@@ -24,7 +24,7 @@ from minidp.ft.replay import state_hash
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=600, help="steps to commit (default 600)")
+    p.add_argument("--steps", type=int, default=300, help="steps to commit (default 300)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per replica and step (default 32)")
     p.add_argument("--kill", default=None, metavar="REPLICA@STEP",
                    help="that replica SIGKILLs itself mid-step at that step, once (default: none)")

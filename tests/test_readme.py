@@ -358,7 +358,7 @@ def checker(cmd: str, shown: str) -> Callable[[str], None]:
 def check_fault_tolerant(output: str) -> None:
     """Replica 1 killed at step 20: the others end equal; it healed from a peer (then equal too) or, on a
     machine too loaded for its restart to come in time, was told the run had finished."""
-    lines = re.findall(r"^replica (\d): 600 steps, accuracy ([\d.]+)(, healed at step \d+ from replica \d)?.*"
+    lines = re.findall(r"^replica (\d): 300 steps, accuracy ([\d.]+)(, healed at step \d+ from replica \d)?.*"
                        r"state digest (\w+)$", output, re.M)
     by_replica = {int(r): (acc, healed, digest) for r, acc, healed, digest in lines}
     assert {0, 2} <= set(by_replica) and len({d for _, _, d in by_replica.values()}) == 1, output
