@@ -1,6 +1,6 @@
 """Training that keeps going when a replica is lost: minidp.ft under `python -m minidp.run --ft`.
 
-    python -m minidp.run --ft --nproc-per-node 3 --max-restarts 3 examples/fault_tolerant.py --kill 1@20
+    python -m minidp.run --ft --nproc-per-node 3 --max-restarts 1 examples/fault_tolerant.py --kill 1@20
 
 Three replicas (one process each) train a small classifier on synthetic data. `--kill 1@20` makes
 replica 1 SIGKILL itself in the middle of step 20 (once: its restart does not): the other two discard

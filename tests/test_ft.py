@@ -41,8 +41,10 @@ from processes import VENV_BIN, Command, clean_env  # noqa: E402
 from harness import run_ranks  # noqa: E402
 
 TRAIN = os.path.join(SCRIPTS, "ft_train.py")
-RUN_FT = [sys.executable, "-m", "minidp.run", "--ft", "--nproc-per-node", "3", "--max-restarts", "3",
-          "--join-timeout", "1.5"]
+# --max-restarts: the restarts each run needs, no more (a warm spare, a process importing torch, is
+# started for each restart still allowed: seconds of CPU on this 2-core machine).
+RUN_FT = [sys.executable, "-m", "minidp.run", "--ft", "--nproc-per-node", "3", "--join-timeout", "1.5"]
+RESTARTS = {"ddp": 2, "diloco": 1}
 TIMEOUT_S = 150
 # Slow steps (0.2 s, sleeping) so that restarted and woken replicas find the run still going, and heal.
 ENV = {"FT_STEP_S": "0.2", "FT_HANG_S": "4.5", "CUDA_VISIBLE_DEVICES": ""}
@@ -57,9 +59,6 @@ SCENARIOS = {
                "--ddp-kwargs", json.dumps({"static_graph": True})],
 }
 HUNG = {"ddp": 2, "diloco": 0}
-# No failure, no sleep: rounds as fast as they go, where a replica once re-entered a round it had
-# already trained (it read the open round before the coordinator opened the next one).
-FAST = ["--steps", "60", "--ddp-kwargs", "none"]
 _OUT: dict = {}
 
 
@@ -67,11 +66,8 @@ def _start(name):
     out = _OUT[name] = folder(f"ft-{name}")
     if name == "torchrun":
         return _torchrun_commands(out)
-    if name == "fast":
-        return [Command([*RUN_FT, TRAIN, "--out", out, *FAST], ROOT, clean_env(CUDA_VISIBLE_DEVICES=""),
-                        timeout=TIMEOUT_S)]
-    return [Command([*RUN_FT, TRAIN, "--out", out, "--timeout", "2", *SCENARIOS[name]], ROOT,
-                    clean_env(**ENV), timeout=TIMEOUT_S)]
+    return [Command([*RUN_FT, "--max-restarts", str(RESTARTS[name]), TRAIN, "--out", out, "--timeout", "2",
+                     *SCENARIOS[name]], ROOT, clean_env(**ENV), timeout=TIMEOUT_S)]
 
 
 def _torchrun_commands(out):
@@ -91,7 +87,7 @@ def _torchrun_commands(out):
 
 
 LAUNCHES = {name: prelaunch(f"test_ft.py: {name}", lambda name=name: _start(name), module="test_ft.py")
-            for name in [*SCENARIOS, "torchrun", "fast"]}
+            for name in [*SCENARIOS, "torchrun"]}
 
 
 def _finished(name):
@@ -136,14 +132,14 @@ def test_every_failure_kind_survived_bitwise_equal_to_the_replay(name):
     # kill: the others go on without it; the launcher restarts it alone; it heals from a live peer and
     # is bitwise equal to its peers from its first commit (every commit's digest checked above)
     assert "participants [0, 1, 2] -> [0, 2]" in output  # the launcher's log names membership changes
-    assert "restarting replica 1 alone (restart 1 of 3)" in output
+    assert f"restarting replica 1 alone (restart 1 of {RESTARTS[name]})" in output
     assert any(h["replica"] == 1 and h["committed"] > 0 for h in heals)
     hung = [e for e in _entries(out, HUNG[name]) if e.get("heal") and e["committed"] > 0]
     if name == "ddp":  # the hung replica came back after it was left out, and healed
         assert hung, _entries(out, HUNG[name])
         cut = [e for r in (1, 2) for e in _entries(out, r) if e.get("heal") and e["failed"]]
         assert len(cut) == 1 and cut[0]["source"] != 0 and "replica 0: IncompleteRead" in cut[0]["failed"][0], cut
-        assert "restarting replica 0 alone (restart 2 of 3)" in output  # the source that died mid-transfer
+        assert "restarting replica 0 alone (restart 2 of 2)" in output  # the source that died mid-transfer
 
 
 def test_torchrun_per_replica_restarts_one_replica_which_heals():
@@ -152,13 +148,6 @@ def test_torchrun_per_replica_restarts_one_replica_which_heals():
     assert report["steps"] == 80
     assert "failed (exitcode: -9)" in output  # torchrun saw its replica's worker SIGKILLed, and restarted it
     assert any(e.get("heal") and e["committed"] > 0 for e in _entries(out, 1))
-
-
-def test_fast_rounds_without_failures_stay_in_step():
-    """60 rounds as fast as they go: every replica in every one, each commit bitwise the replay's."""
-    out, output = _finished("fast")
-    report = _check_bitwise(out, "ddp")
-    assert report["steps"] == 60 and report["commits"] == 180 and "discarded" not in output
 
 
 # ------------------------------------------------------------------------------ the rules, no processes

@@ -356,13 +356,14 @@ def checker(cmd: str, shown: str) -> Callable[[str], None]:
 
 
 def check_fault_tolerant(output: str) -> None:
-    """Replica 1 killed at step 20: the others end equal; it healed from a peer (then equal too) or, on a
-    machine too loaded for its restart to come in time, was told the run had finished."""
+    """Replica 1 killed at step 20: the others end equal (every round as fast as it goes, where a replica once
+    re-entered a round it had trained: the digests would differ); it healed from a peer (then equal too) or,
+    on a machine too loaded for its restart to come in time, was told the run had finished."""
     lines = re.findall(r"^replica (\d): 300 steps, accuracy ([\d.]+)(, healed at step \d+ from replica \d)?.*"
                        r"state digest (\w+)$", output, re.M)
     by_replica = {int(r): (acc, healed, digest) for r, acc, healed, digest in lines}
     assert {0, 2} <= set(by_replica) and len({d for _, _, d in by_replica.values()}) == 1, output
-    assert "restarting replica 1 alone (restart 1 of 3)" in output, output
+    assert "restarting replica 1 alone (restart 1 of 1)" in output, output
     assert 1 in by_replica and by_replica[1][1] or "replica 1: the run finished at step 0 without it" in output, output
     assert float(by_replica[0][0]) > 0.9, output
 
