@@ -45,13 +45,12 @@ class Replica:
         timeout: seconds a collective between replicas, or a state transfer, may take. Default 10.
         quorum_timeout: seconds to wait for a round to form before giving up. Default 300.
         max_consecutive_failures: this replica's own exceptions in a row before it re-raises. Default 3.
-        events: a path to append one JSON line per start and per committed step to. Default None.
         record: a folder to record this replica's rounds and heals in (`replica<id>.jsonl`, a
             state digest after each commit), for `minidp.ft.replay.check_run`. Default None.
     """
 
     def __init__(self, model, policy, stream=None, replica_id=None, coordinator=None, timeout=10.0,
-                 quorum_timeout=300.0, max_consecutive_failures=3, events=None, record=None):
+                 quorum_timeout=300.0, max_consecutive_failures=3, record=None):
         missing = [m for m in ("attach", "begin", "contribution", "commit", "discard", "state_dict")
                    if not hasattr(policy, m)]
         if missing:
@@ -66,7 +65,7 @@ class Replica:
         self.max_consecutive_failures = check_int("max_consecutive_failures", max_consecutive_failures, low=1)
         self.coordinator = str(_from_env(coordinator, "MINIDP_FT_COORDINATOR"))
         self.store = _connect(self.coordinator, self.timeout)
-        self.events, self.record = events, record
+        self.record = record
         policy.attach(model)
         self.committed, self.has_state, self.failures_in_a_row = 0, False, 0
         self.last_round = 0  # the newest round this replica asked in
@@ -75,7 +74,6 @@ class Replica:
         self.graveyard: list = []  # (group, buffers) of the last failed collectives, kept alive
         self._claim_id()
         self.server = StateServer(_reachable_host(self.coordinator))
-        self._log("start")
 
     # --------------------------------------------------------------------------- joining the run
     def _claim_id(self) -> None:
@@ -222,7 +220,6 @@ class Replica:
             self.committed += 1
             if self.stream is not None:
                 self.stream.advance(count, self.policy.inner_steps)
-            self._log("commit", step=q["step"])
         else:
             self.policy.discard()
             self.groups.pop(q["epoch"], None)  # a collective may have broken it
@@ -283,11 +280,6 @@ class Replica:
         if self.record is not None:
             with open(os.path.join(self.record, f"replica{self.id}.jsonl"), "a") as f:
                 f.write(json.dumps(entry) + "\n")
-
-    def _log(self, event: str, **fields) -> None:
-        if self.events is not None:
-            with open(self.events, "a") as f:
-                f.write(json.dumps({"t": time.time(), "replica": self.id, "event": event, **fields}) + "\n")
 
     def close(self) -> None:
         """Leave the run: the coordinator stops waiting for this replica."""
