@@ -41,7 +41,8 @@ def ordered_mean(contributions: list[torch.Tensor], group, rank: int, count: int
                 buffers.append((sent, gathered))
             group.allgather([gathered], [sent]).wait()  # ranks meet: every participant's tensor
             gathered = [g.to(mine.device) for g in gathered]
-        total = gathered[0].clone()
+        # gathered[0] is a fresh receive buffer when count > 1: sum into it (no copy on the step's path)
+        total = gathered[0] if count > 1 else mine.clone()
         for other in gathered[1:]:
             total.add_(other)
         means.append(total.div_(count))

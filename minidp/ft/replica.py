@@ -69,7 +69,6 @@ class Replica:
         policy.attach(model)
         self.committed, self.has_state, self.failures_in_a_row = 0, False, 0
         self.last_round = 0  # the newest round this replica asked in
-        self.history: list[dict] = []  # one entry per round this replica trained in
         self.groups: dict = {}  # epoch -> process group between that epoch's participants
         self.graveyard: list = []  # (group, buffers) of the last failed collectives, kept alive
         self._claim_id()
@@ -225,7 +224,6 @@ class Replica:
             self.groups.pop(q["epoch"], None)  # a collective may have broken it
         entry = {"round": q["round"], "step": q["step"], "participants": q["participants"],
                  "committed": decision["commit"], "why": decision["why"], "waited_s": q["waited_s"]}
-        self.history.append(entry)
         if self.record is not None:
             from .replay import state_hash
             self._record({**entry, "hash": state_hash(self.model, self.policy)} if entry["committed"] else entry)
