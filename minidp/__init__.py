@@ -36,7 +36,8 @@ _PUBLIC = {
     "local_rank_zero_first": ".runtime.ranks", "print0": ".runtime.ranks",
     "SyncBatchNorm": ".train.syncbn", "convert_sync_batchnorm": ".train.syncbn",
     "ZeroRedundancyOptimizer": ".sharded.zero.optimizer",
-    "fully_shard": ".sharded.fsdp.api",
+    "fully_shard": ".sharded.fsdp.api", "FSDPModule": ".sharded.fsdp.module",
+    "register_fsdp_forward_method": ".sharded.fsdp.module",
 }
 __all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"

@@ -5,7 +5,9 @@ each its own unit, then the root over an input layer and a head), shards it with
 fully_shard and with torch's, trains both on the same batches, and returns plain results; the tests
 below only compare them. Layer sizes are odd (7, 15, 11, 3 rows): at 2 and 4 ranks every shard
 is padded, at 3 all but the 15- and 3-row ones, and at 4 one rank holds no row of the head. Four
-ranks on two cores make every collective slow, so the launch at 4 runs only the cases in QUICK.
+ranks on two cores make every collective slow, so each case names the world sizes it runs at.
+The HSDP cases run on a 2-D mesh (2 replicas of W/2 ranks; W replicas of 1 at odd W); the int
+reshard_after_forward one on 4 ranks (2: the backward gathers within pairs) and at 2 (int = W).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_flatten
@@ -61,15 +63,21 @@ class Case(NamedTuple):
     # explicit prefetch, out of the default order: the root starts block 1's gather in forward
     # (before block 0's) and block 0's in backward (before block 1's)
     prefetch: bool = False
+    mesh: str = "flat"  # "hsdp": the 2-D mesh (replicate, shard)
+    all_reduce_last: bool = False  # HSDP accumulation: reduce-scatter each micro-batch,
+    # all-reduce on the last only (set_requires_all_reduce); gradient sync stays on
+    placement: bool = False  # shard_placement_fn: Shard(1) where dim 1 divides evenly, else dim 0
+    offload: bool = False  # CPUOffloadPolicy(pin_memory=False)
+    worlds: tuple = (1, 2, 3)  # the world sizes it runs at
 
 
 CASES = {
-    "adamw": Case("adamw"),
+    "adamw": Case("adamw", worlds=(1, 2, 3, 4)),
     "adamw-keep": Case("adamw", reshard=False),
     # fp16 compute and reduction: FSDP2 divides by 2 before the SUM and by the rest after it
     "sgd-fp16": Case("sgd", mp=MixedPrecisionPolicy(param_dtype=torch.float16,
                                                     output_dtype=torch.float32)),
-    "sgd-keep-clip": Case("sgd", reshard=False, clip=True),
+    "sgd-keep-clip": Case("sgd", reshard=False, clip=True, worlds=(1, 2, 3, 4)),
     "adamw-tied-unused-keep": Case("adamw", reshard=False, tied=True),
     "adamw-default-accumulate": Case("adamw", reshard=None, accumulate=2, prefetch=True),
     # bf16 weights in forward and backward, fp32 shards, optimizer and reduction
@@ -81,8 +89,15 @@ CASES = {
     # all in bf16 but the shards: the reduce-scatter too; the root's outputs cast to fp32
     "sgd-bf16-keep": Case("sgd", reshard=False, mp=MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, output_dtype=torch.float32)),
+    "adamw-hsdp": Case("adamw", mesh="hsdp", worlds=(1, 2, 3, 4)),
+    "sgd-hsdp-accumulate": Case("sgd", mesh="hsdp", accumulate=2, all_reduce_last=True,
+                                worlds=(2, 4)),
+    "adamw-hsdp-bf16-keep": Case("adamw", mesh="hsdp", reshard=False, mp=MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32), worlds=(2, 3)),
+    "adamw-reshard-to-2": Case("adamw", reshard=2, worlds=(2, 4)),
+    "adamw-shard-dim-1": Case("adamw", placement=True, worlds=(1, 2, 4)),
+    "sgd-offload-accumulate": Case("sgd", offload=True, accumulate=2, worlds=(1, 2)),
 }
-QUICK = ("adamw", "sgd-keep-clip")  # the cases run at 4 ranks
 
 
 class Block(nn.Module):
@@ -126,18 +141,30 @@ class TiedNet(Net):
         return self.head(h)
 
 
-def _sharded(engine, mesh, reshard, mp_policy=NO_MP, tied=False):
+def _dim_1_where_even(param):
+    """A shard_placement_fn: Shard(1) where dim 1 divides over the world (FSDP2 needs it even)."""
+    even = param.dim() > 1 and param.size(1) % dist.get_world_size() == 0
+    return Shard(1) if even else None
+
+
+def _sharded(engine, mesh, reshard, mp_policy=NO_MP, tied=False, placement=False, offload=False):
     torch.manual_seed(0)
     net = TiedNet() if tied else Net()
+    more = {}
+    if placement:
+        more["shard_placement_fn"] = _dim_1_where_even
+    if offload:
+        more["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     for block in net.blocks:
         # output_dtype on the root only: a block's fp32 output would meet the root's bf16 head
         ignored = {block.down.bias} if tied and block is net.blocks[1] else None
         ENGINES[engine](block, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored,
-                        mp_policy=dataclasses.replace(mp_policy, output_dtype=None))
+                        mp_policy=dataclasses.replace(mp_policy, output_dtype=None), **more)
     if tied:  # the two layers that share a weight: one unit for a list of modules, gathered
         # before the first runs and freed after the second
         ENGINES[engine]([net.mix, net.mix2], mesh=mesh, reshard_after_forward=True)
-    return ENGINES[engine](net, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    return ENGINES[engine](net, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+                           **more)
 
 
 def _layout(net):
@@ -159,9 +186,9 @@ def _held(net):
 
 
 def _tracing(in_flight=None):
-    """Patch torch.distributed's all_gather_single / reduce_scatter_single (both engines call them
-    through the module) to record each call as (collective, its output's numel), in the order they
-    are issued; with `in_flight` (returns minidp's list of reduce-scatters in flight) each
+    """Patch torch.distributed's all_gather_single / reduce_scatter_single / all_reduce (both
+    engines call them through the module) to record each call as (collective, its output's numel),
+    in the order they are issued; with `in_flight` (returns minidp's list of reduce-scatters in flight) each
     reduce-scatter is followed by ("in flight before", how many were in flight as it started).
     Returns (trace, patches)."""
     trace = []
@@ -178,11 +205,12 @@ def _tracing(in_flight=None):
     return trace, (mock.patch.object(dist, "all_gather_single",
                                      traced("all_gather", dist.all_gather_single)),
                    mock.patch.object(dist, "reduce_scatter_single",
-                                     traced("reduce_scatter", dist.reduce_scatter_single)))
+                                     traced("reduce_scatter", dist.reduce_scatter_single)),
+                   mock.patch.object(dist, "all_reduce", traced("all_reduce", dist.all_reduce)))
 
 
 def _train(engine, case, mesh, rank):
-    net = _sharded(engine, mesh, case.reshard, case.mp, case.tied)
+    net = _sharded(engine, mesh, case.reshard, case.mp, case.tied, case.placement, case.offload)
     if case.prefetch:
         net.set_modules_to_forward_prefetch([net.blocks[1]])
         net.set_modules_to_backward_prefetch([net.blocks[0]])
@@ -195,8 +223,11 @@ def _train(engine, case, mesh, rank):
     for step, batches in enumerate(_grouped(rank_batches(STEPS * case.accumulate, rank,
                                                          targets=(4, 3)), case.accumulate)):
         for k, (x, y) in enumerate(batches):
-            net.set_requires_gradient_sync(k == len(batches) - 1)
-            with patches[0], patches[1]:
+            if case.all_reduce_last:
+                net.set_requires_all_reduce(k == len(batches) - 1)
+            else:
+                net.set_requires_gradient_sync(k == len(batches) - 1)
+            with patches[0], patches[1], patches[2]:
                 output = net(x)
                 loss = F.mse_loss(output.float(), y)
                 if step == 0:
@@ -258,12 +289,15 @@ def _bad_input(mesh):
         layer.weight = nn.Parameter(layer.weight.detach().t().contiguous().t())
     out["non-contiguous"] = (error_of(minidp.fully_shard, transposed[0], mesh=mesh),
                              error_of(torch_fully_shard, transposed[1], mesh=mesh))
-    flat_mesh = init_device_mesh("cpu", (1, dist.get_world_size()))
-    out["2-D mesh"] = (error_of(minidp.fully_shard, Net(), mesh=flat_mesh), None)
-    out["reshard int"] = (error_of(minidp.fully_shard, Net(), mesh=mesh, reshard_after_forward=2),
-                          None)
-    out["reshard str"] = (error_of(minidp.fully_shard, Net(), mesh=mesh,
-                                   reshard_after_forward="yes"), None)
+    world = dist.get_world_size()
+    cube = init_device_mesh("cpu", (1, 1, world))
+    unnamed = init_device_mesh("cpu", (1, world))
+    for case, kwargs in {"3-D mesh": {"mesh": cube}, "2-D mesh without names": {"mesh": unnamed},
+                         "reshard int not a factor": {"reshard_after_forward": world + 1},
+                         "reshard str": {"reshard_after_forward": "yes"}}.items():
+        kwargs = {"mesh": mesh, **kwargs}
+        out[case] = (error_of(minidp.fully_shard, Net(), **kwargs),
+                     error_of(torch_fully_shard, Net(), **kwargs))
     early = Net()  # an optimizer built before fully_shard holds the replaced parameters
     before = torch.optim.AdamW(early.parameters())
     minidp.fully_shard(early, mesh=mesh)
@@ -351,11 +385,13 @@ def _hang(rank):
 
 def _worker(folder):
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    cases = QUICK if dist.get_world_size() == 4 else CASES
-    training = {name: {engine: _train(engine, CASES[name], mesh, rank) for engine in ENGINES}
-                for name in cases}
     world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    hsdp = init_device_mesh("cpu", (2, world // 2) if world % 2 == 0 else (world, 1),
+                            mesh_dim_names=("replicate", "shard"))
+    training = {name: {engine: _train(engine, case, hsdp if case.mesh == "hsdp" else mesh, rank)
+                       for engine in ENGINES}
+                for name, case in CASES.items() if world in case.worlds}
     # checkpoints at 2 ranks only (uneven shards already; time), deferred init at 1-3
     checkpoint = {} if world != 2 else {
         "torch->minidp": _checkpoint("torch", "minidp", mesh, rank, f"{folder}/a"),
@@ -382,7 +418,7 @@ def _same(a, b):
 
 def _ran(ranks, case):
     if case not in ranks[0]["training"]:
-        pytest.skip(f"{case} runs at 1-3 ranks only (QUICK at 4)")
+        pytest.skip(f"{case} runs at {CASES[case].worlds} ranks only")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -489,9 +525,10 @@ def test_bad_input(ranks):
     # the same words; the module's repr follows them (torch's module has changed class: FSDPNet)
     assert mine == theirs == "AssertionError", errors["twice"]
     assert message.split("\n")[0] == their_message.split("\n")[0]
-    assert errors["2-D mesh"][0][0] == "NotImplementedError" and "HSDP" in errors["2-D mesh"][0][1]
-    assert errors["reshard int"][0][0] == "NotImplementedError"
-    assert errors["reshard str"][0][0] == "TypeError"
+    for case, kind in {"3-D mesh": "ValueError", "2-D mesh without names": "AssertionError",
+                       "reshard int not a factor": "ValueError", "reshard str": "ValueError"}.items():
+        mine, theirs = errors[case]
+        assert mine == theirs and mine[0] == kind, (case, mine, theirs)  # type and message
     refused, allowed = errors["optimizer before"]
     assert refused[0] == "RuntimeError" and "AdamW" in refused[1], refused
     assert "build the optimizer after fully_shard(...)" in refused[1].lower(), refused
@@ -499,12 +536,14 @@ def test_bad_input(ranks):
 
 
 def test_minidp_does_not_run_torchs_fsdp():
-    """minidp's fully_shard imports no FSDP internals: only the public MixedPrecisionPolicy type."""
+    """minidp's fully_shard imports no FSDP internals: only public policy types."""
+    public = {"MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy"}
     for path in Path(minidp.__file__).parent.joinpath("sharded", "fsdp").glob("*.py"):
         source = path.read_text()
         imports = re.findall(r"^(?:from|import) (torch\.distributed\.fsdp\S*)(.*)$", source, re.M)
-        allowed = ("torch.distributed.fsdp", " import MixedPrecisionPolicy")
-        assert all(i == allowed for i in imports), path
+        for module, names in imports:
+            assert module == "torch.distributed.fsdp", path
+            assert set(names.removeprefix(" import ").split(", ")) <= public, (path, names)
 
 
 @pytest.mark.parametrize("direction", ["torch->minidp", "minidp->torch"])
