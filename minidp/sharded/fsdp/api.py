@@ -126,11 +126,7 @@ def _shard_dim(shard_placement_fn, param: nn.Parameter) -> int:
     if not isinstance(placement, Shard):
         raise NotImplementedError(f"shard_placement_fn returned {placement!r}: minidp.fully_shard "
                                   "takes a Shard(dim) or None (a per-parameter mesh is not built)")
-    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
-    if dim >= param.dim():
-        raise AssertionError(f"Shard dim {dim} is invalid for {param.dim()}D tensor: "
-                             f"{param.shape}")
-    return dim
+    return placement.dim
 
 
 def _default_mesh() -> DeviceMesh:

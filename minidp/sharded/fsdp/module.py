@@ -95,9 +95,9 @@ class FSDPModule:
         """False: the next backward is not the step's last (micro-batches): keep the forward
         order for the next backward's prefetch."""
         state = state_of(self)
-        if state.root is None:
-            raise RuntimeError("set_is_last_backward needs the root's first forward to have run")
-        state.root.is_last_backward = is_last_backward
+        state.is_last_backward = is_last_backward  # the root's, from its first forward on
+        if state.root is not None:
+            state.root.is_last_backward = is_last_backward
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
                                    recurse: bool = True) -> None:

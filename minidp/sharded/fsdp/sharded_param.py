@@ -98,6 +98,9 @@ class ShardedParam:
             raise NotImplementedError("FSDP does not support non-contiguous parameters yet: "
                                       f"{param.shape=} {param.stride()=}")
         self.shard_dim = shard_dim + param.dim() if shard_dim < 0 else shard_dim
+        if self.shard_dim >= param.dim():
+            raise AssertionError(f"Shard dim {self.shard_dim} is invalid for {param.dim()}D "
+                                 f"tensor: {param.shape}")
         if self.shard_dim > 0 and param.size(self.shard_dim) % world != 0:
             raise NotImplementedError(f"FSDP does not support uneven sharding on dim "
                                       f"{self.shard_dim}: {param.size()} (world size: {world})")

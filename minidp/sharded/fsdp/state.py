@@ -61,7 +61,7 @@ class Root:
         self.forward_root: ModuleState | None = None  # the outermost forward now running
         self.iteration = 0  # forwards of the root so far: what the watchdog says a rank is at
         self.end_queued = False  # end_backward waits at the end of this backward's autograd run
-        self.is_last_backward = True  # set_is_last_backward
+        self.is_last_backward = states[0].is_last_backward  # set_is_last_backward
         self.post_optim_event = None  # set_post_optim_event (one stream on the CPU: nothing to wait)
 
     def start_forward(self, state: ModuleState) -> None:
@@ -105,8 +105,10 @@ class Root:
             unit.phase = Phase.IDLE
         for state in self.states:
             state.phase = Phase.IDLE
-        if self.is_last_backward:  # else the next backward still prefetches by this forward
-            self.forward_order.clear()
+        if self.is_last_backward:  # else the next backward still prefetches by this forward,
+            self.forward_order.clear()  # and a prefetched gather waits for the next unshard
+            for unit in self.units:
+                unit.drop_prefetch()
         self.end_queued = False
 
     def reset_iter_state(self) -> None:
@@ -150,6 +152,7 @@ class ModuleState:
         self.forward_prefetch: list[Unit] = []  # set_modules_to_forward_prefetch
         self.backward_prefetch: list[Unit] | None = None  # set_modules_to_backward_prefetch
         self.max_reduces_in_flight = 1  # set_reduce_scatter_max_input_buffers
+        self.is_last_backward = True  # set_is_last_backward before the first forward
         self.is_root: bool | None = None  # decided at the first forward
         self.root: Root | None = None  # what the states under one root share, from then on
         self.phase = Phase.IDLE

@@ -137,10 +137,9 @@ class Unit:
         self.is_unsharded, self.is_post_forward = True, False
 
     def reshard(self) -> None:
-        """Put the shards back in the modules and free the gathered parameters' memory."""
-        if self.gather is not None:  # prefetched but never used: let the collective finish
-            self.gather.wait(copy_out=False)
-            self.gather = None
+        """Put the shards back in the modules and free the gathered parameters' memory. A gather
+        started and not waited for stays pending (FSDP2's): the next unshard() uses it; the end of
+        the step's last backward drops it (drop_prefetch)."""
         for p in self.params:
             p.to_sharded()
         self.is_unsharded = self.is_post_forward = False
@@ -207,8 +206,15 @@ class Unit:
                                       async_op=True, on_done=self._span(REDUCE_LANE),
                                       options=self.reduce_options))
 
+    def drop_prefetch(self) -> None:
+        """A gather prefetched and never used (a mistargeted prefetch): let it finish, unused."""
+        if self.gather is not None:
+            self.gather.wait(copy_out=False)
+            self.gather = None
+
     def discard_step(self) -> None:
         """reset_iter_state: finish any gather, drop what a failed step left, reshard."""
+        self.drop_prefetch()
         if self.reduce_options.replicas is not None:
             self.reduce_options.replicas.discard()
         for p in self.params:
