@@ -505,6 +505,25 @@ def test_gathers_frees_and_collectives_as_fsdp2(ranks, case):
         assert all(ordered for _, _, ordered in mine["spans"])
 
 
+def test_hsdp_reduces_within_then_across_replicas(ranks):
+    """HSDP (2 replicas of W/2 ranks): each unit's gradients are reduce-scattered within the
+    replica, then all-reduced across replicas, one of each per unit and step, in FSDP2's order
+    (the trace equals torch's in the bitwise test); minidp's timeline shows both, per unit."""
+    if len(ranks) not in (2, 4):
+        pytest.skip("a 2-D mesh of 2 replicas at 2 and 4 ranks")
+    mine = ranks[0]["training"]["adamw-hsdp"]["minidp"]
+    counts = Counter(name for name, _ in mine["trace"] if name != "in flight before")
+    assert counts["all_reduce"] == 3 and counts["reduce_scatter"] == (3 if len(ranks) == 4 else 0)
+    lanes = Counter((lane.split()[-1], name) for lane, name, _ in mine["spans"])
+    for unit in ("", "blocks.0", "blocks.1"):
+        assert lanes[("all-reduce", unit)] == 1, lanes
+        assert lanes[("reduce-scatter", unit)] == (1 if len(ranks) == 4 else 0), lanes
+    accumulate = ranks[0]["training"]["sgd-hsdp-accumulate"]["minidp"]["trace"]
+    counts = Counter(name for name, _ in accumulate if name != "in flight before")
+    # two micro-batches: a reduce-scatter each, one all-reduce (set_requires_all_reduce)
+    assert counts["all_reduce"] == 3 and counts["reduce_scatter"] == (6 if len(ranks) == 4 else 0)
+
+
 def test_unshard_and_reshard_methods(ranks):
     for rank, out in enumerate(ranks):
         mine, theirs = out["training"]["adamw"]["minidp"], out["training"]["adamw"]["torch"]

@@ -199,7 +199,8 @@ class ReduceScatter:
             self.on_done()
         mine, self.mine, self.scatter = self.mine, None, None
         replicas = self.options.replicas
-        if replicas is not None and not replicas.all_reduce(mine, self.all_reduce_op):
+        if replicas is not None and not replicas.all_reduce(mine, self.all_reduce_op,
+                                                            self.options.span):
             return  # set_requires_all_reduce(False): kept, summed into the next one
         if self.options.hook is not None:  # set_all_reduce_hook
             self.options.hook(mine)
@@ -219,9 +220,11 @@ class ReduceOptions:
         reduce_scatter: a custom ReduceScatter comm (set_custom_reduce_scatter), or None.
         hook: called with the reduced tensor before the division (set_all_reduce_hook).
         replicas: HSDP's ReplicaAllReduce (replicas.py), or None.
+        span: the unit's timeline span maker (Unit._span), for the all-reduce's span.
     """
 
     def __init__(self, replicas=None):
+        self.span = None
         self.divide_factor: float | None = None
         self.force_sum = False
         self.reduce_scatter = None

@@ -244,8 +244,8 @@ class FSDPModule:
     def enable_timeline(self) -> Timeline:
         """From now on, record each unit's all-gathers and reduce-scatters below this module (call
         it on the root) in a minidp Timeline: spans from the collective's start to its completion,
-        in the lanes "fully_shard all-gather" and "fully_shard reduce-scatter", named by the
-        unit's module ("" for this one). Returns the Timeline (to_chrome_trace(), benchmarks'
+        in the lanes "fully_shard all-gather", "fully_shard reduce-scatter" and (HSDP)
+        "fully_shard all-reduce", named by the unit's module ("" for this one). Returns the Timeline (to_chrome_trace(), benchmarks'
         plots). minidp's own: FSDP2 has no such method."""
         timeline = Timeline()
         for name, module in self.named_modules():

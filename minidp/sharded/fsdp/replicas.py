@@ -19,6 +19,7 @@ import torch.distributed as dist
 from minidp.runtime.watchdog import naming_laggards
 
 ALL_REDUCE = "minidp.fully_shard's all-reduce of a unit's gradients across HSDP replicas"
+ALL_REDUCE_LANE = "fully_shard all-reduce"  # its lane in the unit's timeline
 
 
 class ReplicaAllReduce:
@@ -35,17 +36,21 @@ class ReplicaAllReduce:
         self.partial: torch.Tensor | None = None  # reduce-scatter outputs not all-reduced yet
 
     @torch.no_grad()
-    def all_reduce(self, reduced: torch.Tensor, op) -> bool:
+    def all_reduce(self, reduced: torch.Tensor, op, span=None) -> bool:
         """All-reduce `reduced` (this unit's reduce-scatter output) in place, the kept sum added
-        first; or, while all-reduce is off, add it to the kept sum. True if it was all-reduced."""
+        first; or, while all-reduce is off, add it to the kept sum. True if it was all-reduced.
+        span (default None): the unit's timeline span maker (Unit._span), while one records."""
         if not self.requires_all_reduce:
             self.partial = reduced if self.partial is None else self.partial.add_(reduced)
             return False
         if self.partial is not None:
             reduced += self.partial
             self.partial = None
+        end = span(ALL_REDUCE_LANE) if span is not None else None
         with naming_laggards(ALL_REDUCE):  # ranks meet here (one column of the mesh)
             dist.all_reduce(reduced, op=op, group=self.group)
+        if end is not None:
+            end()
         return True
 
     def discard(self) -> None:

@@ -75,6 +75,7 @@ class Unit:
         self.all_gather_comm = None  # set_custom_all_gather
         self.reduce_options = ReduceOptions(
             ReplicaAllReduce(mesh.replicate_group, mesh.replicate_size) if mesh.is_hsdp else None)
+        self.reduce_options.span = self._span
         self.phase = Phase.IDLE
         self.is_unsharded = False
         self.is_post_forward = False  # holding the int reshard_after_forward's shard
@@ -121,9 +122,9 @@ class Unit:
         skip = not self.unshard_in_backward and self.phase == Phase.PRE_BACKWARD
         if not self.is_unsharded and self.gather is None and not skip:
             mesh = self.post_forward_mesh if self.is_post_forward else self.mesh
+            span = self._span(GATHER_LANE) if mesh.shard_size > 1 else None
             self.gather = Gather(self.params, mesh.shard_group, mesh.shard_rank, mesh.shard_size,
-                                 async_op, on_done=self._span(GATHER_LANE),
-                                 comm=self.all_gather_comm)
+                                 async_op, on_done=span, comm=self.all_gather_comm)
         if not async_op:
             self.wait_for_unshard()
 
@@ -202,9 +203,9 @@ class Unit:
         if grads:
             group = self.mesh.reduce_scatter_group or self.mesh.shard_group
             # ranks meet here; autograd goes on with the rest of backward while it runs
+            span = self._span(REDUCE_LANE) if self.mesh.shard_size > 1 else None
             reduces.add(ReduceScatter(with_grad, grads, group, self.mesh.shard_size,
-                                      async_op=True, on_done=self._span(REDUCE_LANE),
-                                      options=self.reduce_options))
+                                      async_op=True, on_done=span, options=self.reduce_options))
 
     def drop_prefetch(self) -> None:
         """A gather prefetched and never used (a mistargeted prefetch): let it finish, unused."""
