@@ -269,3 +269,83 @@ def test_syncbn_fused_path_makes_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     expected = nn.functional.batch_norm(x.detach(), None, None, weight.detach(), bias, True, 0.1, 1e-5)
     assert torch.allclose(y.detach(), expected, atol=1e-5) and x.grad is not None
+
+
+# ---- fully_shard's CPU offload and HSDP on a GPU ----------------------------------------------
+
+def _offload_worker(offload):
+    """fully_shard on a CUDA mesh (NCCL, one rank), minidp's and torch's, 5 SGD steps; with
+    CPUOffloadPolicy(pin_memory=True) the shards, their gradients and the optimizer state live on
+    the CPU (pinned), the gathered weights and the compute on the GPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    minidp.init(backend="nccl", timeout=60)
+    mesh = init_device_mesh("cuda", (1,))
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=True)} if offload else {}
+    out = {}
+    for engine, shard in (("minidp", minidp.fully_shard), ("torch", torch_fully_shard)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        shard(model[0], mesh=mesh, **policy)
+        shard(model, mesh=mesh, **policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        seen = set()
+
+        def where(module, args, output):
+            seen.add(str(output.device))
+        model[2].register_forward_hook(where)
+        for _ in range(5):
+            x = torch.randn(4, 8, device="cuda")
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        p = next(model.parameters())
+        out[engine] = {"full": [q.full_tensor().cpu() for q in model.parameters()],
+                       "shard": (str(p.device), p.to_local().is_pinned()),
+                       "grad": str(p.grad.device), "compute": sorted(seen),
+                       "state": str(opt.state[p]["exp_avg"].device)}
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", [False, True], ids=["on-gpu", "cpu-offload"])
+def test_fully_shard_cpu_offload_on_cuda_as_fsdp2(offload):
+    out = run_ranks(_offload_worker, 1, offload, init=False)[0]
+    mine, theirs = out["minidp"], out["torch"]
+    assert all(torch.equal(a, b) for a, b in zip(mine["full"], theirs["full"]))
+    assert {k: v for k, v in mine.items() if k != "full"} == \
+        {k: v for k, v in theirs.items() if k != "full"}
+    home = "cpu" if offload else "cuda:0"
+    assert mine["shard"] == (home, offload) and mine["grad"] == home and mine["state"] == home
+    assert mine["compute"] == ["cuda:0"]
+
+
+def _hsdp_cuda_worker():
+    """HSDP on CUDA tensors through gloo (4 ranks on one GPU), minidp's against torch's, 5 steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    minidp.init(backend="gloo", timeout=60)
+    torch.cuda.set_device(0)
+    mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("replicate", "shard"))
+    full = {}
+    for engine, shard in (("minidp", minidp.fully_shard), ("torch", torch_fully_shard)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 15), nn.Tanh(), nn.Linear(15, 3))
+        shard(model[0], mesh=mesh)
+        shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(5):
+            model(torch.randn(4, 8, generator=gen).cuda()).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        full[engine] = [p.full_tensor().cpu() for p in model.parameters()]
+    return all(torch.equal(a, b) for a, b in zip(full["minidp"], full["torch"]))
+
+
+@pytest.mark.gpu
+def test_fully_shard_hsdp_on_cuda_tensors_as_fsdp2():
+    assert run_ranks(_hsdp_cuda_worker, 4, init=False) == [True] * 4
