@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from minidp.study.memory_model import predict_memory
+from minidp.study.memory_model import predict_memory, predict_peak
 from minidp.study.memory_table import parse_count
 from minidp.study.simulate import main
 
@@ -102,3 +102,86 @@ def test_bad_arguments_to_the_function():
         predict_memory(1000, 0)
     with pytest.raises(TypeError, match="ranks=2.5 must be an int"):
         predict_memory(1000, 2.5)
+
+
+# predict_peak: Ψ = 400 in four units of U = 100 (one tensor each), N = 4, w = g = 2, K = 12:
+# the stage's shards are (2 + 2 + 12) * 400 / 4 = 1600 bytes, every share exact.
+FOUR = [[100]] * 4
+
+
+def test_peak_zero3_by_hand():
+    p = predict_peak(FOUR, 4, "ZeRO-3")
+    # unit 1's backward: its gathered weights 2 * 100, its full gradients 2 * 100, unit 0's prefetched
+    # all-gather output 2 * 100, unit 2's reduce-scatter input 2 * 100; units 2 and 3's sharded gradients
+    assert p["where"] == "backward, unit 1 of 0..3: its gradients complete"
+    assert (p["weights"], p["optimizer"], p["gradients"]) == (200, 1200, 2 * 200 / 4)
+    assert (p["gathered"], p["unsharded_grads"], p["buffers"]) == (200, 200, 200 + 200)
+    assert p["total"] == 1600 - 2 * 2 * 100 / 4 + 2 * 2 * 100 + 2 * 2 * 100 == 2300
+    # without the buffers: unit 0's backward, one sharded gradient short (its own)
+    assert p["without_buffers"] == 1600 - 2 * 100 / 4 + 2 * 100 + 2 * 100 == 1950
+    assert (p["params"], p["shard_ranks"]) == (400, 4)
+
+
+def test_peak_zero2_by_hand():
+    p = predict_peak(FOUR, 4, "ZeRO-2")
+    # unit 2's backward: units 0..2 still gathered (2 * 300), unit 3's input (2 * 100) and sharded gradient
+    assert p["where"] == "backward, unit 2 of 0..3: its gradients complete"
+    assert (p["gathered"], p["unsharded_grads"], p["buffers"], p["gradients"]) == (600, 200, 200, 50)
+    assert p["total"] == (2 + 12) * 400 / 4 + 2 * 300 + 2 * 100 / 4 + 2 * 2 * 100 == 2450
+    # without the buffers: the start of backward, every unit gathered, the last unit's gradients
+    assert p["without_buffers"] == (2 + 12) * 400 / 4 + 2 * 400 + 2 * 100 == 2400
+
+
+def test_peak_hsdp_shards_over_the_shard_group():
+    # a (replicate 2, shard 2) mesh of 4 ranks holds what fully_shard on 2 ranks holds
+    for stage in ("ZeRO-2", "ZeRO-3"):
+        hsdp, two = predict_peak(FOUR, 4, stage, replicate=2), predict_peak(FOUR, 2, stage)
+        assert hsdp["shard_ranks"] == 2 and {k: v for k, v in hsdp.items() if k != "shard_ranks"} == \
+            {k: v for k, v in two.items() if k != "shard_ranks"}
+    assert predict_peak(FOUR, 2, "ZeRO-3")["total"] == 3200 - 2 * 2 * 100 / 2 + 4 * 2 * 100 == 3800
+
+
+def test_peak_zero1_and_ddp_by_hand():
+    # tensors 300, 200, 100 on 2 ranks: 300 to rank 0, 200 to rank 1, 100 to rank 1 (the fewer): 300 most
+    units = [[300, 100], [200]]
+    p = predict_peak(units, 2, "ZeRO-1")
+    assert (p["weights"], p["gradients"], p["optimizer"], p["buffers"]) == (1200, 1200, 12 * 300, 0)
+    assert p["total"] == p["without_buffers"] == 6000
+    assert predict_peak(units, 2, "ZeRO-1", bucket_views=False)["buffers"] == 1200  # DDP's buckets
+    assert predict_peak(units, 2, "DDP")["total"] == 16 * 600 == predict_memory(600, 2)[0]["total"]
+    # 6 x Linear(2048, 2048) on 4 ranks, fp32 AdamW: the weights 0, 1, 2, 3, 0, 1; the fullest rank two
+    linear = [[2048 * 2048, 2048]] * 6
+    assert predict_peak(linear, 4, "ZeRO-1", k=8)["optimizer"] == 8 * 2 * 2048 * 2048
+
+
+def test_peak_equals_the_stage_plus_the_working_set():
+    # Linear(2048, 2048) units in fp32, AdamW: ZeRO-3's row + 2 w U + 2 g U - 2 g U / N, every N
+    linear = [[2048 * 2048, 2048]] * 6
+    u = 2048 * 2048 + 2048
+    for n in (2, 4, 8):
+        row = predict_memory(6 * u, n, k=8, weight_bytes=4, grad_bytes=4)[3]["total"]
+        assert predict_peak(linear, n, "ZeRO-3", k=8, weight_bytes=4, grad_bytes=4)["total"] == \
+            pytest.approx(row + 16 * u - 8 * u / n)
+
+
+def test_peak_copy_in_moment():
+    # fp32 gradients of bf16 weights, a small last unit: unit 1's copy-in (its full gradients beside its
+    # reduce-scatter input) holds more than its compute (its weights beside unit 2's small input)
+    p = predict_peak([[10], [100], [1]], 4, "ZeRO-3", k=0, weight_bytes=2, grad_bytes=4)
+    assert p["where"] == "backward, unit 1's reduce-scatter copy-in"
+    # shards, unit 2's sharded gradient, unit 1's full gradients, unit 0's prefetch, unit 1's input
+    assert p["total"] == 2 * 111 / 4 + 4 * 1 / 4 + 4 * 100 + 2 * 10 + 4 * 100 == 876.5
+    assert p["gathered"] == 0
+
+
+def test_peak_bad_arguments():
+    with pytest.raises(ValueError, match="stage='ZeRO-4' must be one of"):
+        predict_peak(FOUR, 4, "ZeRO-4")
+    with pytest.raises(ValueError, match="replicate=3 must divide ranks=4"):
+        predict_peak(FOUR, 4, "ZeRO-3", replicate=3)
+    with pytest.raises(ValueError, match="HSDP is fully_shard's"):
+        predict_peak(FOUR, 4, "ZeRO-1", replicate=2)
+    with pytest.raises(ValueError, match="units=\\[\\] must be"):
+        predict_peak([], 4, "ZeRO-3")
+    with pytest.raises(TypeError, match="must be an int"):
+        predict_peak([[1.5]], 4, "ZeRO-3")

@@ -39,14 +39,14 @@ for path in (HERE, SHARED):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from rank_memory import alternate_every_step, build_model, launch_json, rss_mib, state_bytes  # noqa: E402
+from rank_memory import alternate_every_step, build_model, launch_json, rss_mib, state_bytes, storage_bytes  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
 
 import minidp  # noqa: E402
 from memory import peak_mib  # noqa: E402  (shared/memory.py: VmHWM on CPU)
-from minidp.study.memory_model import predict_memory  # noqa: E402
+from minidp.study.memory_model import predict_memory, predict_peak  # noqa: E402
 
 CONFIGS = ("ddp", "torch_zero", "minidp_zero")
 LR = 1e-3
@@ -93,11 +93,24 @@ def make_overlapped(engine: str, width: int, layers: int):
     return ddp, zero
 
 
-def step(model, opt, x, y) -> None:
+def step(model, opt, x, y, sample=None) -> None:
     nn.functional.mse_loss(model(x), y).backward()
+    if sample is not None:
+        sample()
     if not getattr(opt, "_overlap_with_ddp", False):  # else the hook stepped inside backward
         opt.step()
+    if sample is not None:
+        sample()
     opt.zero_grad()
+
+
+def counted(model, local_opt) -> int:
+    """Bytes of the parameters, their .grad and the local optimizer's state, each storage once (DDP's
+    buckets are not among them: torch's live in its C++ reducer; gradient_as_bucket_view is off)."""
+    seen, params = set(), list(model.parameters())
+    held = storage_bytes(params, seen) + storage_bytes([p.grad for p in params], seen)
+    return held + sum(storage_bytes([v], seen) for st in local_opt.state.values() for v in st.values()
+                      if torch.is_tensor(v))
 
 
 def _memory_rank(local_rank, config, width, layers, steps, out_path):
@@ -106,9 +119,15 @@ def _memory_rank(local_rank, config, width, layers, steps, out_path):
     minidp.init(backend="gloo")
     model, opt, local_opt = make(config, width, layers)
     x, y = torch.randn(4, width), torch.randn(4, width)
+    peak = [0]  # the most counted() saw: after each backward and each step
+
+    def sample():
+        peak[0] = max(peak[0], counted(model, local_opt))
+
     for _ in range(steps):
-        step(model, opt, x, y)
-    mine = {"state": state_bytes(local_opt), "start_rss_mib": start_rss, "peak_mib": peak_mib(torch.device("cpu"))}
+        step(model, opt, x, y, sample)
+    mine = {"state": state_bytes(local_opt), "start_rss_mib": start_rss, "peak_mib": peak_mib(torch.device("cpu")),
+            "counted_peak": peak[0]}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
@@ -148,6 +167,7 @@ def main(argv=None) -> int:
                    "(default: --width)")
     p.add_argument("--time-steps", type=int, default=60, help="timed steps per engine (default 60)")
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--json", help="also write the memory rows here")
     args = p.parse_args(argv)
     if args.quick:
         args.width, args.layers, args.world_sizes, args.steps = 128, 3, [2], 2
@@ -164,9 +184,13 @@ def main(argv=None) -> int:
           "predicted = predict_memory(params, N, k=8, weight_bytes=4, grad_bytes=4)['optimizer']")
     print("off = (max over ranks of moments) - DDP's moments / N, in units of the largest tensor's moments "
           f"({8 * largest / 2**20:.1f} MiB)")
+    print("counted = the most, over ranks and samples (after each backward and step), of parameters + .grad + "
+          "optimizer state; pred = predict_peak(units, N, 'DDP' or 'ZeRO-1', k=8, weight_bytes=4, grad_bytes=4)"
+          "['without_buffers'] (the fullest rank's share of whole tensors; DDP's buckets, not counted, "
+          "are its 'buffers'); over = counted / pred - 1")
     print()
     header = (f"{'N':>2} {'config':<12} {'state MiB/rank (min-max)':>25} {'step B':>7} {'predicted MiB':>13} "
-              f"{'off':>6} {'peak MiB/rank (max)':>19} {'start MiB':>9}")
+              f"{'off':>6} {'counted':>8} {'pred':>7} {'over':>6} {'peak MiB/rank (max)':>19} {'start MiB':>9}")
     print(header)
     print("-" * len(header))
     rows = []
@@ -185,14 +209,21 @@ def main(argv=None) -> int:
             off = (max(moments) - ddp_moments / n) / (8 * largest) if config != "ddp" and ddp_moments else 0.0
             peak = max(r["peak_mib"] for r in ranks)
             start = max(r["start_rss_mib"] for r in ranks)
+            units = [[args.width * args.width, args.width]] * args.layers
+            pred_peak = predict_peak(units, n, "DDP" if config == "ddp" else "ZeRO-1", k=8, weight_bytes=4,
+                                     grad_bytes=4)
+            top = max(r["counted_peak"] for r in ranks)
             row = {"world_size": n, "config": config, "moments_bytes": moments, "step_bytes": steps_b,
                    "predicted_bytes": predicted, "off_in_largest_tensor": off,
                    "peak_mib": [r["peak_mib"] for r in ranks], "start_rss_mib": [r["start_rss_mib"] for r in ranks],
-                   "params_held": [r["state"]["params_held"] for r in ranks]}
+                   "params_held": [r["state"]["params_held"] for r in ranks],
+                   "counted_peak_bytes": [r["counted_peak"] for r in ranks], "predict_peak": pred_peak,
+                   "malloc": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}
             rows.append(row)
             span = f"{min(moments) / 2**20:.1f}-{max(moments) / 2**20:.1f}"
             print(f"{n:>2} {config:<12} {span:>25} {max(steps_b):>7} {predicted / 2**20:>13.1f} {off:>6.2f} "
-                  f"{peak:>19.1f} {start:>9.1f}", flush=True)
+                  f"{top / 2**20:8.1f} {pred_peak['without_buffers'] / 2**20:7.1f} "
+                  f"{top / pred_peak['without_buffers'] - 1:+6.1%} {peak:>19.1f} {start:>9.1f}", flush=True)
     print()
     for n in args.world_sizes:
         by = {r["config"]: r for r in rows if r["world_size"] == n}
@@ -202,6 +233,9 @@ def main(argv=None) -> int:
         same = by["minidp_zero"]["moments_bytes"] == by["torch_zero"]["moments_bytes"]
         print(f"N={n}: minidp ZeRO state per rank equal to torch ZeRO's rank by rank: {same}; "
               f"peak minidp / torch ZeRO {mz:.1f} / {tz:.1f} MiB = {mz / tz:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "params": params, "memory": rows}, f, indent=1)
     if args.no_timing:
         return 0
     n = 2
