@@ -91,13 +91,13 @@ def _batches(rank, steps=STEPS):
 
 
 def _tracing():
-    """Record each collective both engines issue through torch.distributed: (name, numel)."""
+    """Record each collective both engines issue through torch.distributed: (name, numel, op)."""
     trace = []
 
     def traced(name, real):
         def call(*args, **kwargs):
             output = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-            trace.append((name, output.numel()))
+            trace.append((name, output.numel(), str(kwargs.get("op"))))
             return real(*args, **kwargs)
         return mock.patch.object(dist, name, call)
 
@@ -192,7 +192,9 @@ SCENARIOS = {  # name: keyword arguments of _train
         "setup": lambda net: net.set_reduce_scatter_unused_params(True)},
     "no gather in the embedding's backward": {
         "setup": lambda net: net.embed.set_unshard_in_backward(False)},
-    "force sum reduction": {"setup": lambda net: net.set_force_sum_reduction_for_comms(True)},
+    "force sum reduction": {"setup": lambda net: [  # not recursive in FSDP2: on each module
+        m.set_force_sum_reduction_for_comms(True) for m in net.modules()
+        if hasattr(m, "set_force_sum_reduction_for_comms")]},
     "all-reduce hook": {"setup": _double_in_hook},
     "custom comms": {"setup": _custom_comms},
     "two reduce-scatters in flight": {
@@ -319,8 +321,11 @@ def test_methods_train_bitwise_as_fsdp2(ranks, name):
                            torch.zeros_like(mine["grads"]["unused.weight"]))
     if name == "no gather in the embedding's backward":  # one all-gather fewer
         assert len(mine["trace"]) == len(default["trace"]) - 1
-    if name in ("all-reduce hook", "force sum reduction"):  # the setting changed the result
-        assert not _same(mine["full"], default["full"]) or name == "force sum reduction"
+    if name == "all-reduce hook":  # the setting changed the result
+        assert not _same(mine["full"], default["full"])
+    if name == "force sum reduction":  # SUM, then a division (bitwise AVG's on gloo)
+        assert {op for *_, op in mine["trace"] if op != "None"} == {"RedOpType.SUM"}, mine["trace"]
+        assert {op for *_, op in default["trace"] if op != "None"} == {"RedOpType.AVG"}
 
 
 def test_partial_forward_reduces_the_list_unit_per_call(ranks):
@@ -330,7 +335,7 @@ def test_partial_forward_reduces_the_list_unit_per_call(ranks):
     of the bias), the norm's after (8), then the blocks (55 each) and the embedding (40); the
     root's only layer is unused (no gradient, no reduce-scatter)."""
     trace = ranks[0]["scenarios"]["partial forward (chunked loss)"]["minidp"]["trace"]
-    reduced = [numel for name, numel in trace if name == "reduce_scatter_single"]
+    reduced = [numel for name, numel, _ in trace if name == "reduce_scatter_single"]
     assert reduced == [18, 8, 55, 55, 40], reduced
     assert ranks[0]["scenarios"]["partial forward (chunked loss)"]["minidp"]["grads"][
         "head.weight"] is not None
