@@ -182,6 +182,13 @@ def _fail_then_reset(net):
     net.reset_iter_state()
 
 
+def _halve_in_a_hook(net):
+    """A post-accumulate-grad hook on every sharded parameter (where an optimizer-in-backward
+    steps): it halves the reduced gradient."""
+    for p in net.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: p.grad.to_local().mul_(0.5))
+
+
 def _scored(net, tokens, y):
     return F.mse_loss(net.score(tokens), y)
 
@@ -196,6 +203,7 @@ SCENARIOS = {  # name: keyword arguments of _train
         m.set_force_sum_reduction_for_comms(True) for m in net.modules()
         if hasattr(m, "set_force_sum_reduction_for_comms")]},
     "all-reduce hook": {"setup": _double_in_hook},
+    "post-accumulate-grad hooks": {"setup": _halve_in_a_hook},
     "custom comms": {"setup": _custom_comms},
     "two reduce-scatters in flight": {
         "setup": lambda net: net.set_reduce_scatter_max_input_buffers(2)},
@@ -279,6 +287,12 @@ def _refusals(mesh):
         _build(engine, mesh).set_reduce_scatter_max_input_buffers, 0))
     both("no such method", lambda engine: error_of(
         ENGINES[engine][1], _build(engine, mesh), "generate"))
+    def symmetric_memory(engine):  # accepted; the first gather on the CPU has no pool for it
+        net = _build(engine, mesh)
+        net.blocks[0].set_symm_mem_for_comm()
+        return error_of(net, torch.tensor([1, 2, 3, 4]))
+
+    both("NCCL symmetric memory on the CPU", symmetric_memory)
     both("reshard int not a bool later", lambda engine: error_of(
         _build(engine, mesh).set_reshard_after_forward, 2))
     return out
@@ -321,7 +335,7 @@ def test_methods_train_bitwise_as_fsdp2(ranks, name):
                            torch.zeros_like(mine["grads"]["unused.weight"]))
     if name == "no gather in the embedding's backward":  # one all-gather fewer
         assert len(mine["trace"]) == len(default["trace"]) - 1
-    if name == "all-reduce hook":  # the setting changed the result
+    if name in ("all-reduce hook", "post-accumulate-grad hooks"):  # it changed the result
         assert not _same(mine["full"], default["full"])
     if name == "force sum reduction":  # SUM, then a division (bitwise AVG's on gloo)
         assert {op for *_, op in mine["trace"] if op != "None"} == {"RedOpType.SUM"}, mine["trace"]

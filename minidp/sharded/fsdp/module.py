@@ -237,9 +237,14 @@ class FSDPModule:
                                      "all gather or reduce scatter comm is custom")
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """Symmetric-memory buffers for NCCL's collectives: CUDA only, not built in minidp."""
-        raise NotImplementedError("set_symm_mem_for_comm (NCCL symmetric memory, CUDA only) is "
-                                  "not built in minidp.fully_shard")
+        """NCCL symmetric-memory buffers for the gathers: a speed option of CUDA's. minidp takes
+        its buffers from torch.empty on CUDA all the same; on another device the next gather raises
+        FSDP2's RuntimeError (there is no symmetric-memory pool for it)."""
+        for unit in self._units(recurse=False):
+            if unit.all_gather_comm is not None:
+                raise AssertionError("cannot call set_symm_mem() when all gather comm is custom: "
+                                     f"{type(unit.all_gather_comm).__name__}")
+            unit.symmetric_memory = True
 
     def enable_timeline(self) -> Timeline:
         """From now on, record each unit's all-gathers and reduce-scatters below this module (call

@@ -293,3 +293,7 @@ class ShardedParam:
         else:
             with torch.no_grad():
                 self.sharded.grad.to_local().add_(rows)
+        # register_post_accumulate_grad_hook on the sharded parameter (e.g. an optimizer step in
+        # backward): autograd never accumulates into it, so its hooks run here, as FSDP2 runs them
+        for hook in (getattr(self.sharded, "_post_accumulate_grad_hooks", None) or {}).values():
+            hook(self.sharded)

@@ -73,6 +73,7 @@ class Unit:
         self.unshard_in_backward = True
         self.reduce_scatter_unused_params = False
         self.all_gather_comm = None  # set_custom_all_gather
+        self.symmetric_memory = False  # set_symm_mem_for_comm (CUDA only)
         self.reduce_options = ReduceOptions(
             ReplicaAllReduce(mesh.replicate_group, mesh.replicate_size) if mesh.is_hsdp else None)
         self.reduce_options.span = self._span
@@ -122,6 +123,9 @@ class Unit:
         skip = not self.unshard_in_backward and self.phase == Phase.PRE_BACKWARD
         if not self.is_unsharded and self.gather is None and not skip:
             mesh = self.post_forward_mesh if self.is_post_forward else self.mesh
+            if self.symmetric_memory and mesh.shard_size > 1 and self.device.type != "cuda":
+                raise RuntimeError("SymmetricMemory MemPool did not find backend for device type "
+                                   f"{self.device.type}")
             span = self._span(GATHER_LANE) if mesh.shard_size > 1 else None
             self.gather = Gather(self.params, mesh.shard_group, mesh.shard_rank, mesh.shard_size,
                                  async_op, on_done=span, comm=self.all_gather_comm)
