@@ -34,6 +34,9 @@ def _worker():
         group = dist.new_group([1, 2])  # ranks meet here (every rank creates every group)
         if rank > 0:  # group ranks 0 and 1 are global ranks 1 and 2
             out["subgroup"] = error_of(check_same_across_ranks, "entry", [("x", rank)], group=group)
+        # ranks meet here: rank 0 hosts the store ranks 1 and 2 built their group through; if it
+        # exited first (a loaded machine: it had nothing to do) their gloo setup lost the store
+        dist.barrier()
     return out
 
 
