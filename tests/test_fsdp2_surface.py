@@ -19,16 +19,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # the contract
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # the contract
+from torch.distributed.tensor import Shard
 from torch.utils._pytree import tree_flatten
 
 import minidp
 from harness import error_of, run_ranks
-from training import rank_batches
 
 STEPS = 20
 ENGINES = {"minidp": (minidp.fully_shard, minidp.register_fsdp_forward_method),

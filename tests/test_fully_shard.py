@@ -392,10 +392,12 @@ def _worker(folder):
     training = {name: {engine: _train(engine, case, hsdp if case.mesh == "hsdp" else mesh, rank)
                        for engine in ENGINES}
                 for name, case in CASES.items() if world in case.worlds}
-    # checkpoints at 2 ranks only (uneven shards already; time), deferred init at 1-3
-    checkpoint = {} if world != 2 else {
-        "torch->minidp": _checkpoint("torch", "minidp", mesh, rank, f"{folder}/a"),
-        "minidp->torch": _checkpoint("minidp", "torch", mesh, rank, f"{folder}/b")}
+    # checkpoints at 2 ranks (uneven shards already; time) and, HSDP's, at 4 (2 x 2); deferred
+    # init at 1-3
+    checkpoint = {} if world not in (2, 4) else {
+        direction: _checkpoint(*engines, mesh if world == 2 else hsdp, rank, f"{folder}/{i}")
+        for i, (direction, engines) in enumerate(
+            (("torch->minidp", ("torch", "minidp")), ("minidp->torch", ("minidp", "torch"))))}
     return {"training": training, "checkpoint": checkpoint, "errors": _bad_input(mesh),
             "meta": _deferred_init(mesh, rank) if world != 4 else None,
             "default mesh": _default_mesh(),
@@ -570,7 +572,7 @@ def test_checkpoint_moves_between_torch_and_minidp(ranks, direction):
     """torch.distributed.checkpoint saved by one engine, loaded by the other: one step later both
     have the same full weights and AdamW state, bit for bit."""
     if not ranks[0]["checkpoint"]:
-        pytest.skip("checkpoints run at 2 ranks")
+        pytest.skip("checkpoints run at 2 ranks (FSDP) and 4 (HSDP, 2 x 2)")
     for rank, out in enumerate(ranks):
         got = out["checkpoint"][direction]
         assert _same(got["minidp"], got["torch"]), (direction, rank)

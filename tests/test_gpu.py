@@ -292,10 +292,8 @@ def _offload_worker(offload):
         shard(model, mesh=mesh, **policy)
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         seen = set()
-
-        def where(module, args, output):
-            seen.add(str(output.device))
-        model[2].register_forward_hook(where)
+        model[2].register_forward_hook(lambda module, args, output, seen=seen:
+                                       seen.add(str(output.device)))
         for _ in range(5):
             x = torch.randn(4, 8, device="cuda")
             model(x).sum().backward()

@@ -23,8 +23,8 @@ import time
 import traceback
 from typing import List, Optional
 
-from .spawn import check_topology, free_port
 from .replicas import run_replicas
+from .spawn import check_topology, free_port
 from .supervisor import Worker, WorkerFailed, supervise, terminate
 from .worker import die_with_parent, exit_now, worker_env, write_error
 

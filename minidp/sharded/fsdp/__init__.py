@@ -1,4 +1,4 @@
-"""fully_shard: FSDP2 (ZeRO-2/3, HSDP) from scratch. The chapter: minidp/sharded/README.md. In order:
+"""fully_shard: FSDP2 (ZeRO-2/3, HSDP) from scratch. Chapter: minidp/sharded/README.md. In order:
   unit.py           a unit's step: pre_forward, post_forward, pre_backward, post_backward, prefetch
   collectives.py    the unit's all-gather and reduce-scatter (FSDP2's flat layout and division),
                     and the reduce-scatters in flight (ReducesInFlight, shared under one root)

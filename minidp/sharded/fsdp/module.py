@@ -71,7 +71,7 @@ class FSDPModule:
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this module's parameters (not recursive; in param_dtype if set). async_op=True:
-        start the gather and return a handle whose wait() finishes it (the pre-forward waits too)."""
+        start the gather and return a handle whose wait() finishes it (or the pre-forward does)."""
         units = self._units(recurse=False)
         for unit in units:
             unit.reset()  # parameters replaced since fully_shard (FSDP2's lazy_init here)
@@ -130,7 +130,7 @@ class FSDPModule:
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
-        """False: keep the gathered parameters after backward (no gather before the next forward)."""
+        """False: keep the gathered parameters after backward (no gather before next forward)."""
         for unit in self._units(recurse):
             unit.reshard_after_backward = reshard_after_backward
 
@@ -193,7 +193,7 @@ class FSDPModule:
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
                                              recurse: bool = True) -> None:
-        """How many reduce-scatters may be in flight at once (default 1): more overlap, more memory."""
+        """How many reduce-scatters may be in flight (default 1): more overlap, more memory."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(f"max_input_buffers must be an int, got "
                             f"{type(max_input_buffers).__name__}")
@@ -250,8 +250,8 @@ class FSDPModule:
         """From now on, record each unit's all-gathers and reduce-scatters below this module (call
         it on the root) in a minidp Timeline: spans from the collective's start to its completion,
         in the lanes "fully_shard all-gather", "fully_shard reduce-scatter" and (HSDP)
-        "fully_shard all-reduce", named by the unit's module ("" for this one). Returns the Timeline (to_chrome_trace(), benchmarks'
-        plots). minidp's own: FSDP2 has no such method."""
+        "fully_shard all-reduce", named by the unit's module ("" for this one). Returns the
+        Timeline (to_chrome_trace(), benchmarks' plots). minidp's own: FSDP2 has no such method."""
         timeline = Timeline()
         for name, module in self.named_modules():
             state = state_of(module)

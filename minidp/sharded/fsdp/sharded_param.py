@@ -29,7 +29,7 @@ import itertools
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 REPLACED = "_minidp_replaced_by_fully_shard"  # marks an original parameter: where it was

@@ -62,7 +62,7 @@ class Root:
         self.iteration = 0  # forwards of the root so far: what the watchdog says a rank is at
         self.end_queued = False  # end_backward waits at the end of this backward's autograd run
         self.is_last_backward = states[0].is_last_backward  # set_is_last_backward
-        self.post_optim_event = None  # set_post_optim_event (one stream on the CPU: nothing to wait)
+        self.post_optim_event = None  # set_post_optim_event (the CPU has one stream: no wait)
 
     def start_forward(self, state: ModuleState) -> None:
         """A state's forward begins: the outermost one (the root's) counts an iteration."""
