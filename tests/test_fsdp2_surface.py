@@ -302,7 +302,9 @@ def _worker():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     scenarios = {name: {engine: _scenario(engine, mesh, rank, name) for engine in ENGINES}
                  for name in SCENARIOS}
-    return {"scenarios": scenarios, "surface": _surface(mesh), "refusals": _refusals(mesh)}
+    out = {"scenarios": scenarios, "surface": _surface(mesh), "refusals": _refusals(mesh)}
+    dist.barrier()  # ranks meet here: rank 0 hosts the store; it exits after the others' groups
+    return out
 
 
 @pytest.fixture(scope="module")
