@@ -8,9 +8,17 @@ imports resolve against it: its torch/testing/_internal/common_fsdp.py is instal
   test/distributed/_composable/fsdp/test_fully_shard_state.py  2c50e08aa5ae6e22b41460edfa5f0ccbea8859f4
   test/distributed/_composable/fsdp/test_fully_shard_init.py   009e587ca22c4eafd1583ff821a98bdde6d8c1ac
   test/distributed/_composable/fsdp/test_fully_shard_training.py 001df7b5cd514f6b4fb6ffbaad6ea31e7a2ada72
-(SOURCES below; a file in --src not named there is run and reported with commit "unknown".) Most of
-the other files in that folder are GPU-only on their stored versions (skip_if_lt_x_gpu without
-allow_cpu=True) and were not copied.
+  test/distributed/_composable/fsdp/test_fully_shard_comm.py     01d5c2cc8ac53ec6f45d10e2b90f7387df1f1ac4
+(SOURCES below; a file in --src not named there is run and reported with commit "unknown".) In
+test_fully_shard_comm.py only TestFullyShardUnshardMultiThread (threaded PG, 2 ranks),
+TestFullyShardReduceOpWorldSize1 (1 rank, gloo) and TestFullyShardChunkCatMixedDtype (no fully_shard;
+its op torch.ops.fsdp.chunk_cat_mixed_dtype is newer than torch 2.14.1) run on CPU. The other files
+of that folder are GPU-only on the versions read (skip_if_lt_x_gpu without allow_cpu=True, cuda
+memory stats or sleeps, instantiate_device_type_tests(except_for=["cpu"])) and were not copied:
+test_fully_shard_frozen.py (04fb872, 7023af4), _autograd.py (0bc3de0, 2347785), _clip_grad_norm_.py
+(f20bd3a, 0f31e61), _ignore_params.py (f3b61b4, 05a963f), _mixed_precision.py (42e4033, 003a6c0),
+_extensions.py (005fb83), _memory.py (0334530), _overlap.py (068717b), _logging.py (01f9ef3; a
+class-level skip_if_lt_x_gpu(2)), _block_shard.py (3e153a9); _compile.py was not considered.
 Everything else they import is installed with torch (torch/testing/_internal/), except `expecttest`,
 which torch's common_utils imports: put it in a folder of its own, off .venv,
   pip install --target /tmp/fsdp_suites/pydeps expecttest
@@ -19,16 +27,27 @@ and pass that folder as --deps (the default; it goes on PYTHONPATH). pytest-time
   python benchmarks/shared/fsdp_suites.py --engine both            # torch's fully_shard, then minidp's
   python benchmarks/shared/fsdp_suites.py --engine minidp --files test_fully_shard_state.py
   python benchmarks/shared/fsdp_suites.py --engine both -- -k Lazy  # more pytest arguments after --
+  python benchmarks/shared/fsdp_suites.py --files test_fully_shard_training.py --cpu-multiprocess \
+      --merge -- -k SharedParams     # add a -k selection's tests to the file's earlier ones
 
 For each engine the test files are copied to WORK/<engine>/ (default /tmp/fsdp_suites/work); for
 --engine minidp a first line `import _minidp_swap` is put at the top of each copy. That module puts
-minidp.fully_shard (and minidp.FSDPModule where minidp has one) in the place of torch's before the
-test file imports them: torch.distributed.fsdp, torch.distributed.fsdp._fully_shard,
-torch.distributed.fsdp._fully_shard._fully_shard, the old path torch.distributed._composable.fsdp
-(and its fully_shard module), and torch.testing._internal.common_fsdp (which imports fully_shard at
-its top, and whose FSDP2 helpers call it). torch's MultiProcessTestCase spawns ranks that import the
-test module again, so the swap holds in every rank; FSDPTestMultiThread runs its ranks as threads of
-one process. Each process that swaps appends a line to WORK/<engine>/swapped.log.
+minidp.fully_shard (and minidp.FSDPModule, register_fsdp_forward_method, share_comm_ctx where minidp
+has them) in the place of torch's before the test file imports them: torch.distributed.fsdp,
+torch.distributed.fsdp._fully_shard, torch.distributed.fsdp._fully_shard._fully_shard, the old path
+torch.distributed._composable.fsdp (and its fully_shard module), and torch.testing._internal.common_fsdp
+(which imports fully_shard at its top, and whose FSDP2 helpers call it). torch's MultiProcessTestCase
+spawns ranks that import the test module again, so the swap holds in every rank; FSDPTestMultiThread
+runs its ranks as threads of one process. Each process that swaps appends a line to
+WORK/<engine>/swapped.log.
+
+The installed torch's FSDPTest and FSDPTestContinuous (multi-process ranks) skip every test on a machine
+with no accelerator: FSDPTest._run and FSDPTestContinuous._init_pg exit with the multi-gpu-N skip code when
+torch.accelerator.device_count() < world_size, although newer test files mark those tests
+skip_if_lt_x_gpu(N, allow_cpu=True) or leave them undecorated. --cpu-multiprocess (both engines)
+puts a line `import _cpu_multiprocess` in each copy, which makes that one check pass on CPU (see
+CPU_MULTIPROCESS); without it those tests are reported as skipped. The JSON records which runs used it.
+The lines put at the top shift the copies' line numbers (test lines in "where") by one or two.
 
 Files run one at a time under `nice`, pytest -v with --timeout per test (pytest-timeout) and a wall
 limit per file; outcomes come from pytest's junit XML, or, for a file cut off by the wall limit,
@@ -55,6 +74,7 @@ SOURCES = {
     "test_fully_shard_state.py": "2c50e08aa5ae6e22b41460edfa5f0ccbea8859f4",
     "test_fully_shard_init.py": "009e587ca22c4eafd1583ff821a98bdde6d8c1ac",
     "test_fully_shard_training.py": "001df7b5cd514f6b4fb6ffbaad6ea31e7a2ada72",
+    "test_fully_shard_comm.py": "01d5c2cc8ac53ec6f45d10e2b90f7387df1f1ac4",
 }
 
 SWAP = '''"""Put minidp's fully_shard in the place of torch's (written by benchmarks/shared/fsdp_suites.py)."""
@@ -67,6 +87,8 @@ import minidp
 
 _fully_shard = minidp.fully_shard
 _fsdp_module = getattr(minidp, "FSDPModule", None)
+# more public names of torch.distributed.fsdp, swapped where minidp has them (torch's would act on its own state)
+_more = {_n: getattr(minidp, _n) for _n in ("register_fsdp_forward_method", "share_comm_ctx") if hasattr(minidp, _n)}
 _places = []
 for _name in ("torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard",
               "torch.distributed.fsdp._fully_shard._fully_shard",
@@ -81,18 +103,46 @@ for _name in ("torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard",
     _mod.fully_shard = _fully_shard
     if _fsdp_module is not None and hasattr(_mod, "FSDPModule"):
         _mod.FSDPModule = _fsdp_module
+    for _n, _v in _more.items():
+        if hasattr(_mod, _n):
+            setattr(_mod, _n, _v)
     _places.append(_name)
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "swapped.log"), "a") as _f:
     _f.write(f"pid {os.getpid()} thread {threading.get_ident()}: minidp at {os.path.dirname(minidp.__file__)}; fully_shard "
              f"{_fully_shard.__module__}.{_fully_shard.__qualname__}; FSDPModule "
              f"{'swapped: ' + _fsdp_module.__module__ if _fsdp_module is not None else 'not swapped (minidp has none)'}; "
+             f"also {', '.join(sorted(_more)) or 'nothing else'}; "
              f"in {', '.join(_places)}\\n")
+'''
+
+CPU_MULTIPROCESS = '''"""Let torch's FSDPTest run its ranks with no accelerator (written by fsdp_suites.py --cpu-multiprocess).
+
+torch 2.14.1's FSDPTest._run and FSDPTestContinuous._init_pg (torch/testing/_internal/common_fsdp.py) exit
+with the multi-gpu-N skip code when torch.accelerator.device_count() < world_size, so on a CPU-only machine
+every multi-process FSDP test is skipped, even those the test files mark skip_if_lt_x_gpu(N, allow_cpu=True)
+or leave undecorated. With no accelerator, that call, made from those two methods, answers 2**30; every
+other caller gets torch's answer.
+"""
+import sys
+
+import torch
+
+if not torch.accelerator.is_available():
+    _device_count = torch.accelerator.device_count
+
+    def _device_count_for_fsdptest_run(*args, **kwargs):
+        caller = sys._getframe(1).f_code
+        if caller.co_name in ("_run", "_init_pg") and caller.co_filename.endswith("common_fsdp.py"):
+            return 1 << 30
+        return _device_count(*args, **kwargs)
+
+    torch.accelerator.device_count = _device_count_for_fsdptest_run
 '''
 
 PASS, FAIL = {"passed"}, {"failed", "error", "timeout", "missing"}
 
 
-def prepare(src, work, engine, name):
+def prepare(src, work, engine, name, cpu_multiprocess=False):
     os.makedirs(work, exist_ok=True)
     path = os.path.join(src, name)
     if not os.path.exists(path):
@@ -102,6 +152,10 @@ def prepare(src, work, engine, name):
         first = "import _minidp_swap  # noqa: F401  (fsdp_suites.py)\n"
         with open(os.path.join(work, "_minidp_swap.py"), "w") as f:
             f.write(SWAP)
+    if cpu_multiprocess:
+        first += "import _cpu_multiprocess  # noqa: F401  (fsdp_suites.py --cpu-multiprocess)\n"
+        with open(os.path.join(work, "_cpu_multiprocess.py"), "w") as f:
+            f.write(CPU_MULTIPROCESS)
     with open(path, newline="") as f:
         text = f.read()
     with open(os.path.join(work, name), "w", newline="") as f:
@@ -208,7 +262,7 @@ def outcomes_from_log(log):
 
 def run_file(args, engine, name):
     work = os.path.join(args.work, engine)
-    prepare(args.src, work, engine, name)
+    prepare(args.src, work, engine, name, args.cpu_multiprocess)
     log = os.path.join(work, "swapped.log")
     if os.path.exists(log):
         os.remove(log)
@@ -269,6 +323,10 @@ def main():
     parser.add_argument("--timeout", type=int, default=120, help="seconds per test (pytest-timeout)")
     parser.add_argument("--wall", type=int, default=1200, help="seconds for one file's whole run")
     parser.add_argument("--nice", type=int, default=10)
+    parser.add_argument("--merge", action="store_true", help="add this run's tests to the file's entry from "
+                        "earlier runs (e.g. another -k selection) instead of replacing it; counts cover both")
+    parser.add_argument("--cpu-multiprocess", action="store_true", help="let torch's multi-process FSDPTest "
+                        "run on CPU (its device-count gate skips them all there; see CPU_MULTIPROCESS)")
     parser.add_argument("--minidp", default=ROOT, help="folder that holds the minidp package (first on "
                         "PYTHONPATH), e.g. a `git archive HEAD minidp` of a commit, not the working tree")
     parser.add_argument("--minidp-label", default="working tree", help="what --minidp holds, for the JSON")
@@ -296,9 +354,17 @@ def main():
         entry = data["files"].setdefault(name, {})
         entry["commit"] = SOURCES.get(name, "unknown")
         for engine in engines:
+            old = entry.get(engine, {})
             entry[engine] = run_file(args, engine, name)
             if args.pytest_args:
                 entry[engine]["pytest_args"] = args.pytest_args
+            entry[engine]["cpu_multiprocess"] = args.cpu_multiprocess
+            if args.merge and old.get("tests"):  # keep the earlier runs' other tests
+                entry[engine]["tests"] = {**old["tests"], **entry[engine]["tests"]}
+                entry[engine]["counts"] = {k: sum(1 for r in entry[engine]["tests"].values() if r["outcome"] == k)
+                                           for k in entry[engine]["counts"]}
+                entry[engine]["earlier_runs"] = old.get("earlier_runs", []) + [
+                    {k: old.get(k) for k in ("pytest_args", "cpu_multiprocess", "counts", "returncode", "log")}]
             with open(args.json, "w") as f:  # after every run: an interrupted run keeps what it has
                 json.dump(data, f, indent=1, sort_keys=True)
     rows, lost = table(data, names, args.src)
