@@ -86,9 +86,12 @@ def worker(local_rank: int, args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--nproc-per-node", type=int, default=2)
+    p.add_argument("--steps", type=int, default=300, help="steps per run (default 300; the first 10 exact)")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="CPU workers (default 2)")
     args = p.parse_args(argv)
+    for flag, value in (("--steps", args.steps), ("--nproc-per-node", args.nproc_per_node)):
+        if value < 1:  # refused here, before any worker starts (else a traceback from the launcher)
+            p.error(f"{flag}={value} must be >= 1")
     if "RANK" in os.environ and "LOCAL_RANK" in os.environ:  # under torchrun / python -m minidp.run
         worker(int(os.environ["LOCAL_RANK"]), args)
     else:

@@ -4,11 +4,12 @@
     python -m minidp.run --nproc-per-node 2 examples/minimal.py     # minidp's launcher, same environment
     python examples/minimal.py                                      # one process: world size 1
 
-Every rank fits the same linear model to its own share of a synthetic regression set
-(minidp.DistributedSampler); backward averages the gradients over the ranks; rank 0 prints the loss of
-each epoch, summed over all ranks' samples, and how far the learned weights are from the true ones.
-A few seconds on a CPU.
+Every rank fits the same linear model to its share of a synthetic regression set (minidp.DistributedSampler);
+backward averages the gradients over the ranks; rank 0 prints each epoch's loss over all ranks' samples and how
+far the learned weights are from the true ones. A few seconds on a CPU. No options: --help prints this text.
 """
+import argparse
+
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -16,7 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import minidp
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     env = minidp.init()  # process group from torchrun's / minidp.run's variables; gloo on CPU, NCCL on GPUs
     torch.set_num_threads(1)  # the ranks of a node share its cores
     torch.manual_seed(0)  # the same data and the same initial weights on every rank

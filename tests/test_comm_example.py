@@ -33,3 +33,13 @@ def test_custom_compressor_example_trains_like_exact_and_counts_its_bytes():
     sent = int(re.search(r"TernGrad:.*bytes sent per step ([\d,]+)", proc.stdout).group(1).replace(",", ""))
     # 10 exact steps (4 bytes per element), then TernGrad (1 byte per element + a 4-byte scale)
     assert sent == round((10 * 4 * grads + (STEPS - 10) * (grads + 4)) / STEPS)
+
+
+def test_a_bad_worker_count_is_one_line_before_any_worker():
+    """`--nproc-per-node 0` was a traceback from the launcher; now argparse's error line, exit 2, no worker."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    proc = subprocess.run([sys.executable, "examples/custom_hook.py", "--nproc-per-node", "0"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.splitlines()[-1] == "custom_hook.py: error: --nproc-per-node=0 must be >= 1", proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr

@@ -192,3 +192,19 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(monkeypatch):
     quiet.close()
     assert "rank 1" not in terminal.getvalue()  # the other ranks show nothing
     assert "tqdm_monitor" not in [t.name for t in threading.enumerate()]
+
+
+def test_minimal_help_prints_its_text_and_trains_nothing():
+    """`python examples/minimal.py --help` (a user's first try) prints the docstring and exits 0; it trained before.
+    A misspelt option is one argparse line and exit 2, before minidp.init()."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    proc = subprocess.run([sys.executable, "examples/minimal.py", "--help"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc
+    assert proc.stdout.startswith("usage: minimal.py [-h]") and "one process: world size 1" in proc.stdout, proc.stdout
+    assert "epoch 1:" not in proc.stdout and "rank(s), " not in proc.stdout, proc.stdout  # nothing trained
+    import minimal
+    with pytest.raises(SystemExit) as exit_info:
+        minimal.main(["--epochs", "3"])  # no such option: refused before any process group
+    assert exit_info.value.code == 2

@@ -63,3 +63,28 @@ def test_ranks_fork_only_where_each_runs_one_thread(monkeypatch):
     assert rank_start_method(2) is None  # several threads: a fork could hang on this process's OpenMP pool
     monkeypatch.setenv("MINIDP_START_METHOD", "spawn")
     assert rank_start_method(1) is None  # the user's choice, applied by minidp.launch
+
+
+def test_an_unwritable_out_is_one_line_before_any_rank(tmp_path):
+    """The real command: `--out` under a file fails at once, one line, exit 2 (it failed after the ranks' run)."""
+    import subprocess
+    import sys
+    (tmp_path / "a_file").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "minidp.explain", "resnet18", "--out", str(tmp_path / "a_file" / "x")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.splitlines() == [f"python -m minidp.explain: error: --out='{tmp_path}/a_file/x' cannot be "
+                                        "written: Not a directory"], proc.stderr
+
+
+def test_files_go_to_the_temp_dir_unless_told_where(capsys):
+    """Without --out nothing is written into the current folder (often a checkout): the system's temp dir."""
+    import inspect
+    import tempfile
+
+    from minidp.study import explain as module
+    assert module.DEFAULT_OUT == os.path.join(tempfile.gettempdir(), "minidp-explain")
+    assert inspect.signature(explain).parameters["out_dir"].default == module.DEFAULT_OUT
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert f"(default: {module.DEFAULT_OUT})" in " ".join(capsys.readouterr().out.split())

@@ -165,3 +165,20 @@ def test_measured_sweep_fits_a_link():
     link = fit_ring(sweep, 2)
     assert set(sweep) == {4096, 4 << 20, 16 << 20} and all(t > 0 for t in sweep.values())
     assert link.latency_s >= 0 and math.isfinite(link.bandwidth) and link.bandwidth > 0
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--world-sizes", "2,abc"], "--world-sizes='2,abc': 'abc' is not an integer; give a comma-separated list, "
+                                 "e.g. --world-sizes 2,8,64"),
+    (["--plot", "{tmp}/a_file/scaling.png"], "--plot='{tmp}/a_file/scaling.png' cannot be written: "
+                                              "'{tmp}/a_file' is a file, not a folder"),
+])
+def test_bad_flags_are_one_line_before_any_work(tmp_path, flags, line):
+    """The real command, as a user types it: one error line, exit 2, no traceback, nothing printed or drawn."""
+    (tmp_path / "a_file").write_text("")
+    events = os.path.join(ROOT, "benchmarks", "results", "explain_world1", "explain_resnet18_events.json")
+    proc = subprocess.run([sys.executable, "-m", "minidp.simulate", "--events", events,
+                           *[f.format(tmp=tmp_path) for f in flags]],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.splitlines() == ["python -m minidp.simulate: error: " + line.format(tmp=tmp_path)], proc.stderr

@@ -25,8 +25,12 @@ from ..engine.timeline import named_spans
 from ..launcher.spawn import launch
 from ..validate import check_bool, check_int, check_number
 from . import record
+from .plot import check_writable
 
 DEFAULT_SHAPE = (3, 224, 224)  # torchvision's classification models
+# Where the files go without --out: a folder of the system's temp dir, never the current folder (often a
+# checkout, which a run should not change); the report prints each file's path.
+DEFAULT_OUT = os.path.join(tempfile.gettempdir(), "minidp-explain")
 
 
 def parse_shape(text: str) -> tuple:
@@ -70,7 +74,7 @@ def rank_start_method(threads: int):
 
 
 def explain(model: str, world_size: int = 2, bucket_cap_mb: float | None = None, batch: int = 8,
-            input_shape=None, find_unused: bool = False, steps: int = 3, out_dir: str = ".",
+            input_shape=None, find_unused: bool = False, steps: int = 3, out_dir: str = DEFAULT_OUT,
             progress=None, timeout: float = 600.0, zero_overlap=None) -> dict:
     """Run `steps` steps of `model` on `world_size` CPU ranks under minidp and torch DDP; return the report.
 
@@ -82,7 +86,8 @@ def explain(model: str, world_size: int = 2, bucket_cap_mb: float | None = None,
         input_shape: one sample's shape. Default (3, 224, 224) for torchvision, required otherwise.
         find_unused: DDP's find_unused_parameters. Default False.
         steps: steps per engine (>= 2: the rebuilt buckets are used from step 2). Default 3.
-        out_dir: where the PNG, trace and events go. Default ".".
+        out_dir: where the PNG, trace and events go (created; checked writable before any rank starts).
+            Default DEFAULT_OUT: minidp-explain in the system's temp dir.
         progress: callable(str) for progress lines. Default: print to stderr.
         timeout: seconds before the ranks are stopped. Default 600.
         zero_overlap: "end" or "interleaved": minidp's run uses ZeroRedundancyOptimizer(
@@ -105,6 +110,7 @@ def explain(model: str, world_size: int = 2, bucket_cap_mb: float | None = None,
     if input_shape is None and ":" in model:
         raise ValueError(f"MODEL={model!r}: give --input-shape (one sample's shape) for a module:factory model")
     shape = tuple(input_shape or DEFAULT_SHAPE)
+    check_writable("out_dir", out_dir, folder=True)  # before minutes of ranks, not after
     progress = progress or (lambda text: print(f"explain: {text}", file=sys.stderr, flush=True))
     progress(f"building {model} and trying an input of shape {(batch, *shape)}")
     params = check_model_runs(model, batch, shape)
@@ -251,7 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--input-shape", default=None, help="one sample, e.g. 3,224,224 (default for torchvision)")
     p.add_argument("--find-unused", action="store_true", help="find_unused_parameters=True")
     p.add_argument("--steps", type=int, default=3, help="steps per engine, >= 2 (default 3)")
-    p.add_argument("--out", default=".", help="folder for the PNG, trace and events (default: .)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the PNG, trace and events (default: {DEFAULT_OUT})")
     p.add_argument("--json", action="store_true", help="print the report as JSON (progress stays on stderr)")
     p.add_argument("--zero-overlap", nargs="?", const="end", choices=["end", "interleaved"], default=None,
                    help="minidp steps ZeroRedundancyOptimizer inside backward: 'end' (default: hook_with_zero_step, "
@@ -261,8 +267,12 @@ def main(argv=None) -> int:
         shape = parse_shape(args.input_shape) if args.input_shape else None
         report = explain(args.model, args.world_size, args.bucket_cap_mb, args.batch, shape, args.find_unused,
                          args.steps, args.out, zero_overlap=args.zero_overlap)
-    except (ValueError, TypeError) as e:
-        p.error(str(e).replace("world_size=", "--world-size=").replace("bucket_cap_mb=", "--bucket-cap-mb=")
-                .replace("batch=", "--batch=").replace("steps=", "--steps="))
+    except (ValueError, TypeError) as e:  # one line, before any rank starts (argparse's usage would bury it)
+        flags = {"world_size=": "--world-size=", "bucket_cap_mb=": "--bucket-cap-mb=", "batch=": "--batch=",
+                 "steps=": "--steps=", "out_dir=": "--out="}
+        message = str(e)
+        for name, flag in flags.items():
+            message = message.replace(name, flag)
+        p.exit(2, f"{p.prog}: error: {message}\n")
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0

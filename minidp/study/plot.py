@@ -5,6 +5,32 @@ span helpers (which import torch) too: `python -m minidp.simulate --plot` draws 
 """
 from __future__ import annotations
 
+import os
+import tempfile
+
+
+def check_writable(flag: str, path: str, folder: bool = False) -> str:
+    """Make sure `path` (a file, or a folder when `folder`) can be written, before any work; return it.
+
+    Creates the missing folders, then really creates a file there (removed at once): os.access says yes to
+    root where the write fails. Raises ValueError naming the flag, the path and why, so that a run of minutes
+    does not end in an OSError when its first file is written.
+    """
+    where = path if folder else (os.path.dirname(path) or ".")
+    try:
+        if not folder and os.path.isdir(path):
+            raise IsADirectoryError(21, "it is a folder; give a file name")
+        os.makedirs(where, exist_ok=True)
+        if folder or not os.path.exists(path):
+            tempfile.TemporaryFile(dir=where).close()
+        else:
+            open(path, "ab").close()  # an existing file: opened to append, left as it is
+    except FileExistsError:  # os.makedirs: the folder's name is a file's
+        raise ValueError(f"{flag}={path!r} cannot be written: {where!r} is a file, not a folder") from None
+    except OSError as e:
+        raise ValueError(f"{flag}={path!r} cannot be written: {e.strerror or e}") from None
+    return path
+
 
 def plot_timelines(path: str, events_by_rank: dict, title: str = "") -> None:
     """A PNG with one panel per rank: step phases, gradient-ready ticks, one bar per bucket's all-reduce."""

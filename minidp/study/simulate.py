@@ -36,6 +36,7 @@ from ..engine.planning import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES,
 from ..validate import check_int, check_number
 from .memory_table import add_memory_arguments, check_memory_args, main_memory
 from .network import Network, allreduce_time
+from .plot import check_writable
 
 WORLD_SIZES = tuple(2 ** k for k in range(11))  # 1 ... 1,024
 
@@ -212,6 +213,15 @@ def _pick(value, unit, default):
     return default if value is None else value * unit
 
 
+def _number(kind, flag: str, text: str, item: str):
+    """int or float of one comma-separated item; ValueError naming the flag, the item and the form."""
+    try:
+        return kind(item)
+    except ValueError:
+        raise ValueError(f"{flag}={text!r}: {item.strip()!r} is not a{'n integer' if kind is int else ' number'}; "
+                         f"give a comma-separated list, e.g. {flag} {'2,8,64' if kind is int else '1,5,25'}") from None
+
+
 def parse_args(argv=None):
     import argparse
 
@@ -248,12 +258,15 @@ def parse_args(argv=None):
     add_memory_arguments(p)
     args = p.parse_args(argv)
     args.world_sizes_given = any(a.startswith("--world-sizes") for a in (argv if argv is not None else sys.argv))
-    try:
-        args.world_sizes = [check_int("--world-sizes", int(n), 1) for n in args.world_sizes.split(",")]
-        args.caps = None if args.caps is None else [check_number("--caps", float(c), positive=True)
-                                                    for c in args.caps.split(",")]
+    try:  # every check before any work, each failure one line (argparse's usage would bury it)
+        args.world_sizes = [check_int("--world-sizes", _number(int, "--world-sizes", args.world_sizes, n), 1)
+                            for n in args.world_sizes.split(",")]
+        args.caps = None if args.caps is None else [
+            check_number("--caps", _number(float, "--caps", args.caps, c), positive=True) for c in args.caps.split(",")]
+        if args.plot:
+            check_writable("--plot", args.plot)
     except ValueError as e:
-        p.error(str(e))
+        p.exit(2, f"{p.prog}: error: {e}\n")
     if not (args.events or args.measure_network or args.study or args.memory):
         p.error("give --events FILE (from python -m minidp.explain), --study FILE, --memory or --measure-network OUT "
                 "(or the subcommand: python -m minidp.simulate goodput)")
