@@ -188,12 +188,27 @@ def _halve_in_a_hook(net):
         p.register_post_accumulate_grad_hook(lambda p: p.grad.to_local().mul_(0.5))
 
 
+def _backward_per_chunk(net, tokens, y):
+    """torch's own chunked-loss test's loop: the head on each detached chunk with a backward of
+    its own (only the head's unit in that graph), then one backward through the rest. Returns a
+    loss whose backward is that last one."""
+    h = net(tokens)
+    grads = []
+    for chunk, target in zip(h.detach().chunk(2), y.chunk(2)):
+        chunk = chunk.contiguous().requires_grad_(True)
+        F.mse_loss(net.head(chunk), target).backward()
+        assert net.head.weight.grad is not None, "the head's reduce-scatter was left in flight"
+        grads.append(chunk.grad)
+    return (h * torch.cat(grads)).sum()
+
+
 def _scored(net, tokens, y):
     return F.mse_loss(net.score(tokens), y)
 
 
 SCENARIOS = {  # name: keyword arguments of _train
     "partial forward (chunked loss)": {},
+    "partial forward, a backward per chunk": {"loss": _backward_per_chunk},
     "unused params reduced as zeros": {
         "setup": lambda net: net.set_reduce_scatter_unused_params(True)},
     "no gather in the embedding's backward": {

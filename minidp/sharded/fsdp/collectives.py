@@ -241,10 +241,16 @@ class ReducesInFlight:
     def __init__(self):
         self.pending: list[ReduceScatter] = []
         self.max_in_flight = 1
+        # the root queued its end-of-backward callback, which waits for what is left; False when a
+        # backward runs through a unit alone (a chunked loss's head called on a detached chunk):
+        # nothing would wait, so each reduce-scatter is waited at once (FSDP2 on CPU: synchronous)
+        self.waited_at_end = False
 
     def add(self, reduce: ReduceScatter) -> None:
-        """A reduce-scatter just started (async): wait() finishes it."""
+        """A reduce-scatter just started (async): wait() finishes it, or the end of backward."""
         self.pending.append(reduce)
+        if not self.waited_at_end:
+            self.wait()
 
     def make_room(self) -> None:
         """Finish the oldest reduce-scatters until one more fits under the cap."""

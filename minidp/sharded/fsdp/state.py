@@ -87,7 +87,7 @@ class Root:
         """At the first pre_backward of a backward: queue end_backward at the end of autograd's
         run (once)."""
         if not self.end_queued:
-            self.end_queued = True
+            self.end_queued = self.reduces.waited_at_end = True
             Variable._execution_engine.queue_callback(self.end_backward)
             self.record("backward")
 
@@ -109,7 +109,7 @@ class Root:
             self.forward_order.clear()  # and a prefetched gather waits for the next unshard
             for unit in self.units:
                 unit.drop_prefetch()
-        self.end_queued = False
+        self.end_queued = self.reduces.waited_at_end = False
 
     def reset_iter_state(self) -> None:
         """After a forward or backward raised: finish the collectives in flight, keep nothing of
@@ -122,7 +122,7 @@ class Root:
             if state.unit is not None:
                 state.unit.discard_step()
         self.forward_root = None
-        self.end_queued = False
+        self.end_queued = self.reduces.waited_at_end = False
 
     def record(self, phase: str) -> None:
         """Tell minidp's watchdog (if minidp.init started one) where this rank is: a failed
