@@ -16,7 +16,7 @@ from torch import nn
 
 from minidp.engine.timeline import Timeline
 
-from .state import ModuleState, state_of
+from .state import state_of
 
 _fsdp_classes: dict[type, type] = {}  # <Name> -> FSDP<Name>, made once (FSDP2's cls_to_fsdp_cls)
 
@@ -55,9 +55,6 @@ class FSDPModule:
         self = orig_cls.__new__(orig_cls, *args, **kwargs)
         self.__init__(*args, **kwargs)
         return self
-
-    def _minidp_state(self) -> ModuleState:
-        return state_of(self)
 
     def _units(self, recurse: bool) -> list:
         modules = self.modules() if recurse else [self]
