@@ -37,7 +37,7 @@ _PUBLIC = {
     "SyncBatchNorm": ".train.syncbn", "convert_sync_batchnorm": ".train.syncbn",
     "ZeroRedundancyOptimizer": ".sharded.zero.optimizer",
     "fully_shard": ".sharded.fsdp.api", "FSDPModule": ".sharded.fsdp.module",
-    "register_fsdp_forward_method": ".sharded.fsdp.module",
+    "register_fsdp_forward_method": ".sharded.fsdp.module", "share_comm_ctx": ".sharded.fsdp.module",
 }
 __all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"

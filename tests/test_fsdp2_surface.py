@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
+from torch.distributed.fsdp import share_comm_ctx as torch_share_comm_ctx
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # the contract
 from torch.distributed.tensor import Shard
 from torch.utils._pytree import tree_flatten
@@ -30,8 +31,9 @@ import minidp
 from harness import error_of, run_ranks
 
 STEPS = 20
-ENGINES = {"minidp": (minidp.fully_shard, minidp.register_fsdp_forward_method),
-           "torch": (torch_fully_shard, torch_register)}
+ENGINES = {"minidp": (minidp.fully_shard, minidp.register_fsdp_forward_method,
+                      minidp.share_comm_ctx),
+           "torch": (torch_fully_shard, torch_register, torch_share_comm_ctx)}
 
 
 class Block(nn.Module):
@@ -242,6 +244,25 @@ def _scenario(engine, mesh, rank, name):
     return out
 
 
+def _two_roots(engine, mesh, rank):
+    """Two roots (pipeline stages, each its own fully_shard root) sharing one communication context
+    (share_comm_ctx), trained 5 steps as one model: their full weights."""
+    shard, _, share = ENGINES[engine]
+    torch.manual_seed(0)
+    stages = [Block(), Block()]
+    for stage in stages:
+        shard(stage.up, mesh=mesh)
+        shard(stage, mesh=mesh)
+    share(stages)
+    opt = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=0.05)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(5):
+        stages[1](stages[0](torch.randn(4, 8, generator=gen))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.full_tensor() for s in stages for p in s.parameters()]
+
+
 def _surface(mesh):
     """What FSDPModule is and has, per engine."""
     out = {}
@@ -259,6 +280,7 @@ def _surface(mesh):
             "returns": type(ENGINES[engine][0](nn.Linear(2, 2), mesh=mesh)).__name__,
         }
         net.blocks[0].reshard()
+        out[engine]["two roots, one context"] = _two_roots(engine, mesh, dist.get_rank())
     out["methods"] = (sorted(n for n in dir(minidp.FSDPModule) if not n.startswith("_")),
                       sorted(n for n in dir(TorchFSDPModule) if not n.startswith("_")))
     return out
@@ -307,6 +329,8 @@ def _refusals(mesh):
         return error_of(net, torch.tensor([1, 2, 3, 4]))
 
     both("NCCL symmetric memory on the CPU", symmetric_memory)
+    both("share_comm_ctx with a plain module", lambda engine: error_of(
+        ENGINES[engine][2], [nn.Linear(2, 2)]))
     both("reshard int not a bool later", lambda engine: error_of(
         _build(engine, mesh).set_reshard_after_forward, 2))
     return out
@@ -374,7 +398,7 @@ def test_partial_forward_reduces_the_list_unit_per_call(ranks):
 def test_fsdp_module_class_swap_and_methods(ranks):
     surface = ranks[0]["surface"]
     mine, theirs = surface["minidp"], surface["torch"]
-    assert mine == theirs, (mine, theirs)
+    assert _same(mine, theirs), (mine, theirs)
     assert mine["classes"] == ["FSDPChunkedNet", "FSDPBlock", "FSDPLayerNorm", "FSDPLinear"]
     assert mine["isinstance"] == [True, True, True, False]
     assert mine["unsharded after wait"] == ["Parameter"] * 4

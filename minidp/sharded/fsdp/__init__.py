@@ -12,6 +12,7 @@
   api.py            fully_shard(): which modules and parameters a call manages
 """
 from .api import fully_shard
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
+           "share_comm_ctx"]

@@ -16,6 +16,7 @@ from torch import nn
 
 from minidp.engine.timeline import Timeline
 
+from .collectives import ReducesInFlight
 from .state import state_of
 
 _fsdp_classes: dict[type, type] = {}  # <Name> -> FSDP<Name>, made once (FSDP2's cls_to_fsdp_cls)
@@ -291,3 +292,20 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state.post_forward(self, args, method(*args, **kwargs))
 
     setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def share_comm_ctx(modules: list) -> None:
+    """Let the roots `modules` (e.g. pipeline stages, each its own fully_shard root) share one
+    communication context: their reduce-scatters in flight (FSDP2's share_comm_ctx; on a GPU, its
+    CUDA streams too, which minidp does not use)."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")
+    if not modules:
+        return
+    shared = ReducesInFlight()
+    for module in modules:
+        state = state_of(module)
+        state.shared_reduces = shared
+        if state.root is not None:
+            state.root.reduces = shared

@@ -56,7 +56,8 @@ class Root:
         self.states = states
         self.units: list[Unit] = [state.unit for state in states if state.unit is not None]
         self.forward_order = ForwardOrder()  # backward's prefetch targets
-        self.reduces = ReducesInFlight()  # every unit's reduce-scatter joins it
+        # every unit's reduce-scatter joins it (share_comm_ctx: one for several roots)
+        self.reduces = states[0].shared_reduces or ReducesInFlight()
         self.reduces.max_in_flight = max(s.max_reduces_in_flight for s in states)
         self.forward_root: ModuleState | None = None  # the outermost forward now running
         self.iteration = 0  # forwards of the root so far: what the watchdog says a rank is at
@@ -153,6 +154,7 @@ class ModuleState:
         self.backward_prefetch: list[Unit] | None = None  # set_modules_to_backward_prefetch
         self.max_reduces_in_flight = 1  # set_reduce_scatter_max_input_buffers
         self.is_last_backward = True  # set_is_last_backward before the first forward
+        self.shared_reduces: ReducesInFlight | None = None  # share_comm_ctx
         self.is_root: bool | None = None  # decided at the first forward
         self.root: Root | None = None  # what the states under one root share, from then on
         self.phase = Phase.IDLE
