@@ -255,3 +255,33 @@ def test_compare_quick_on_cuda(tmp_path):
         data = json.load(f)
     assert {r["job"]["workload"] for r in data["timing"]} == set(WORKLOADS)
     assert all(r["device"].startswith("cuda") for r in data["timing"])
+
+
+# ---- simulator/simulate_check.py and speed/step_cost.py: what a run leaves behind, what it prints ----------
+
+def test_simulate_check_writes_outside_the_tree_unless_asked(tmp_path, capsys):
+    """A rerun writes into --out (default runs/simulator/, which git ignores), never over benchmarks/results/'s
+    recorded files (only --record does); an unwritable --out is one line, before any rank starts."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "simulator"))
+    import simulate_check
+    recorded = os.path.join(ROOT, "benchmarks", "results", "simulate_resnet18_cluster.png")
+    before = os.stat(recorded).st_mtime_ns
+    assert simulate_check.DEFAULT_OUT == os.path.join(ROOT, "runs", "simulator")
+    assert simulate_check.main(["--from-json", os.path.join(ROOT, "benchmarks", "results", "simulate_check.json"),
+                                "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "simulate_resnet18_cluster.png").read_bytes()[:4] == PNG_MAGIC
+    assert os.stat(recorded).st_mtime_ns == before
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        simulate_check.main(["--out", str(tmp_path / "a_file" / "x")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("cannot be written: Not a directory")
+
+
+def test_step_cost_keeps_the_profilers_log_lines_out():
+    """torch 2.14's Kineto prints 'USDT: ... profiler_start' and 'gpuGetDeviceCount failed' lines around the results
+    at every profiled step; step_cost.py sets KINETO_LOG_LEVEL=6 before torch is imported (the ranks inherit it).
+    Checked by reading the script: a real run costs seconds of this suite (it was checked by hand, 2026-12-06)."""
+    source = open(os.path.join(ROOT, "benchmarks", "speed", "step_cost.py")).read()
+    assert 'os.environ.setdefault("KINETO_LOG_LEVEL", "6")' in source
+    assert source.index('os.environ.setdefault("KINETO_LOG_LEVEL"') < source.index("\nimport torch")

@@ -28,6 +28,7 @@ def test_fully_shard_memory_benchmark_quick(tmp_path):
             assert a["total"] <= b["total"] and a["with_comm_max"] == b["with_comm_max"], (mine, a, b)
     assert "equal rank by rank: True" in out.stdout and "equal rank by rank: False" not in out.stdout
     assert set(result["step_ms"]) == set(rows)
+    assert any(line.startswith("... step time: ") for line in out.stderr.splitlines()), out.stderr  # heartbeat.py
 
 
 def test_fully_shard_timeline_quick(tmp_path):

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 
+PROGRESS_S = 20.0  # seconds between progress lines
 SCRIPT = """
 import sys
 import torch
@@ -68,7 +69,14 @@ def main() -> None:
         launcher = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
                     "--nproc-per-node", str(a.nproc)] if a.torchrun else [sys.executable]
         running, results, start = [], collections.defaultdict(list), time.time()
+        total, said = len(todo), time.time()
+        print(f"{total} runs, {a.concurrent} at a time; a line every {PROGRESS_S:.0f} s and one per abort", flush=True)
         while todo or running:
+            if time.time() - said >= PROGRESS_S:  # a run takes seconds: a silent minute would look like a hang
+                said = time.time()
+                done = sum(len(r) for r in results.values())
+                print(f"  {done} of {total} runs done, {sum(map(sum, results.values()))} aborted, "
+                      f"{said - start:.0f} s", flush=True)
             while todo and len(running) < a.concurrent:
                 variant = todo.pop(0)
                 proc = subprocess.Popen([*launcher, script, variant], env=env, stdout=subprocess.PIPE,

@@ -67,6 +67,7 @@ for path in (HERE, SHARED):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from heartbeat import heartbeat  # noqa: E402  (shared/heartbeat.py: a line every 30 s while ranks run)
 from rank_memory import alternate_every_step, build_model, launch_json, rss_mib, state_bytes, storage_bytes  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -293,8 +294,10 @@ def memory_table(args, params: int) -> list:
         configs = [c for c in args.configs if n == 4 or c not in HSDP]  # HSDP: a 2 x 2 mesh
         # one launch per configuration, so that peaks do not mix; --quick: one launch for all
         groups = [configs] if args.quick else [[c] for c in configs]
-        measured = [r for g in groups for r in launch_json(_memory_rank, n, (g, args.width, args.layers,
-                                                                               args.steps))]
+        measured = []
+        for g in groups:
+            with heartbeat(f"N={n} {', '.join(g)}: {args.steps} sampled steps on {n} ranks"):
+                measured += launch_json(_memory_rank, n, (g, args.width, args.layers, args.steps))
         for config, ranks in zip(configs, measured):
             if ranks is None:
                 print(f"{n:>2} {config:<17} not run: minidp.fully_shard refused the 2-D mesh", flush=True)
@@ -371,7 +374,9 @@ def main(argv=None) -> int:
     compare(result["memory"])
     if not args.no_timing:
         n = args.time_world_size
-        times = launch_json(_timing_rank, n, (args.width, args.layers, args.time_steps, args.warmup))
+        with heartbeat(f"step time: {args.warmup} + {args.time_steps} steps of each of the five, alternating, "
+                       f"on {n} ranks"):
+            times = launch_json(_timing_rank, n, (args.width, args.layers, args.time_steps, args.warmup))
         result["step_ms"] = times
         print(f"step time, N={n}, {args.time_steps} timed steps each after {args.warmup}, the five "
               "alternating every step: median " + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items()))

@@ -39,6 +39,7 @@ for path in (HERE, SHARED):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from heartbeat import heartbeat  # noqa: E402  (shared/heartbeat.py: a line every 30 s while ranks run)
 from rank_memory import alternate_every_step, build_model, launch_json, rss_mib, state_bytes, storage_bytes  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero  # noqa: E402
@@ -198,7 +199,8 @@ def main(argv=None) -> int:
         pred = predict_memory(params, n, k=8, weight_bytes=4, grad_bytes=4)
         ddp_moments = None
         for config in args.configs:
-            ranks = _launch(_memory_rank, n, (config, args.width, args.layers, args.steps))
+            with heartbeat(f"N={n} {config}: {args.steps} AdamW steps on {n} ranks, memory sampled"):
+                ranks = _launch(_memory_rank, n, (config, args.width, args.layers, args.steps))
             moments = [r["state"]["moments"] for r in ranks]
             steps_b = [r["state"]["step"] for r in ranks]
             if config == "ddp":
@@ -240,7 +242,9 @@ def main(argv=None) -> int:
         return 0
     n = 2
     t_params = sum(q.numel() for q in build_model(time_width, args.layers).parameters())
-    times = _launch(_timing_rank, n, (time_width, args.layers, args.time_steps, args.warmup))
+    with heartbeat(f"step time: {args.warmup} + {args.time_steps} steps of each of 5 engines, alternating, "
+                   f"on {n} ranks"):
+        times = _launch(_timing_rank, n, (time_width, args.layers, args.time_steps, args.warmup))
     print(f"step time, N={n}, {args.layers} x Linear({time_width}, {time_width}) = {t_params:,} parameters, "
           f"{args.time_steps} timed steps each after {args.warmup}, alternating every step: median "
           f"minidp ZeRO {times['minidp_zero']:.2f} ms, torch ZeRO {times['torch_zero']:.2f} ms, "

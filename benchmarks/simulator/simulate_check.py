@@ -1,6 +1,7 @@
 """Check minidp.simulate against what can be measured here: a gloo sweep, steps at world size 2, a cap sweep.
 
     flock /tmp/minidp-cpu.lock python benchmarks/simulator/simulate_check.py      # ~4 minutes on 2 cores
+    python benchmarks/simulator/simulate_check.py --record    # into benchmarks/results/, what RESULTS.md shows
 
 1. Compute profiles of the benchmark workloads (mlp, resnet18 32x32, as in RESULTS.md), recorded with
    minidp's timeline (a) at world size 2 with a comm hook that sends nothing (both ranks compute at
@@ -9,8 +10,10 @@
    for DDP's default buckets and caps 1, 5, 25, 100 MiB, and gloo all-reduces of 1 KiB ... 96 MiB,
    fitted to a ring link (alpha-beta).
 Then the simulator predicts each measured step from (a) and from (b) with the fitted network (shared
-cores: gloo needs the cores the ranks compute on), and picks the best cap. Writes
-results/simulate_check.json and prints the tables for RESULTS.md.
+cores: gloo needs the cores the ranks compute on), and picks the best cap. Writes simulate_check.json and
+simulate_resnet18_cluster.png into --out (default runs/simulator/ in the checkout, which git ignores: a
+rerun leaves the tree clean; --record: benchmarks/results/, the recorded run) and prints the tables for
+RESULTS.md. Rank 0 prints a line per phase and per round (the run is minutes long).
 """
 from __future__ import annotations
 
@@ -24,15 +27,19 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCHMARKS = os.path.dirname(HERE)  # RESULTS.md and results/ live here
+RECORDED = os.path.join(BENCHMARKS, "results")  # --record: the files RESULTS.md shows
+DEFAULT_OUT = os.path.join(os.path.dirname(BENCHMARKS), "runs", "simulator")  # git ignores runs/
 # benchmarks/ is not a package: this folder and shared/ (workloads, worker processes) go on the path.
 sys.path[:0] = [HERE, os.path.join(BENCHMARKS, "shared")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from heartbeat import heartbeat  # noqa: E402  (shared/heartbeat.py: a line every 30 s while ranks run)
 
 import minidp  # noqa: E402
 import workloads  # noqa: E402
 from minidp.study.network import CLUSTER, Link, Network, fit_ring  # noqa: E402
+from minidp.study.plot import check_writable  # noqa: E402
 from minidp.study.simulate import Profile, best_cap, scaling, simulate_step  # noqa: E402
 
 CAPS = (None, 1, 5, 25, 100)
@@ -73,8 +80,9 @@ def _measure(loads, rounds=6, per_round=3):
     processes between the blocks, so that the machine's load, which moves by 2x on this shared VM,
     falls on all of them alike.
     """
-    runs = {}
+    runs, start = {}, time.perf_counter()
     for name, (load, x, y) in loads.items():
+        _say(f"  warming up {name} under {len(CAPS) + 1} bucket settings")
         for cap in CAPS + ("no_comm",):
             model = _no_comm_model(load) if cap == "no_comm" else minidp.DDP(load.build(seed=0), bucket_cap_mb=cap)
             runs[name, cap] = (model, workloads.make_optimizer(model), x, y)
@@ -98,6 +106,7 @@ def _measure(loads, rounds=6, per_round=3):
                 times[key].append(_timed_step(*runs[key], timeline))
                 if timeline is not None:
                     profiles[key[0]].append(timeline.snapshot())
+        _say(f"  round {r + 1}/{rounds} done, {time.perf_counter() - start:.0f} s")
     steps = {name: {str(cap): statistics.median(times[name, cap]) for cap in CAPS} for name in loads}
     return steps, {size: statistics.median(t[1:]) for size, t in sweep.items()}, profiles
 
@@ -106,6 +115,7 @@ def _world1_profiles(loads, steps=9):
     """Timelines of `steps` steps per workload on a single rank (no peer, no communication)."""
     profiles = {}
     for name, (load, x, y) in loads.items():
+        _say(f"  {name}: {steps} steps on one rank")
         model = minidp.DDP(load.build(seed=0))
         opt = workloads.make_optimizer(model)
         for _ in range(3):
@@ -116,6 +126,12 @@ def _world1_profiles(loads, steps=9):
             _timed_step(model, opt, x, y, timeline)
             profiles[name].append(timeline.snapshot())
     return profiles
+
+
+def _say(text: str) -> None:
+    """A progress line from rank 0 (the run is minutes long; the others say nothing)."""
+    if dist.get_rank() == 0:
+        print(text, flush=True)
 
 
 def _worker(local_rank, out_dir):
@@ -137,7 +153,7 @@ def _worker(local_rank, out_dir):
 
 
 def _run(world_size):
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, heartbeat(f"{world_size} rank(s) running"):
         minidp.launch(_worker, nprocs=world_size, args=(tmp,), timeout=1200)
         return torch.load(os.path.join(tmp, f"world{world_size}.pt"), weights_only=False)
 
@@ -145,11 +161,19 @@ def _run(world_size):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # --help must not start a 4-minute run
     p.add_argument("--from-json", metavar="FILE", help="re-print the tables and redraw the plot of a recorded run")
+    p.add_argument("--out", default=DEFAULT_OUT, help="folder for the JSON and the plot (default: runs/simulator/)")
+    p.add_argument("--record", action="store_true", help=f"write them into {os.path.relpath(RECORDED)}/ instead: "
+                   "the recorded run that RESULTS.md shows")
     args = p.parse_args(argv)
+    out = RECORDED if args.record else args.out
+    try:
+        check_writable("--out", out, folder=True)  # before minutes of ranks, not after
+    except ValueError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
     if args.from_json:
         with open(args.from_json) as f:
             report = json.load(f)
-        return _publish(report)
+        return _publish(report, out)
     print("1/2 at world size 2: compute profiles, then steps per cap and the all-reduce sweep, in rounds", flush=True)
     world2 = _run(2)
     print("2/2 compute profiles at world size 1", flush=True)
@@ -177,20 +201,21 @@ def main(argv=None) -> int:
                 entry["cluster_scaling"] = scaling(profile, CLUSTER)
         entry["best_cap_measured"] = str(min(CAPS[1:], key=lambda c: measured[c]))
         report["workloads"][name] = entry
-    os.makedirs(os.path.join(BENCHMARKS, "results"), exist_ok=True)
-    with open(os.path.join(BENCHMARKS, "results", "simulate_check.json"), "w") as f:
+    with open(os.path.join(out, "simulate_check.json"), "w") as f:
         json.dump(report, f, indent=1)
-    return _publish(report)
+    print(f"wrote {os.path.join(out, 'simulate_check.json')}")
+    return _publish(report, out)
 
 
-def _publish(report: dict) -> int:
+def _publish(report: dict, out: str) -> int:
     """Print the tables for RESULTS.md; draw the ResNet-18 prediction on the default cluster network."""
     from minidp.study.plot import plot_scaling
 
     print(markdown(report))
     rows = report["workloads"]["resnet18"]["cluster_scaling"]
-    plot_scaling(os.path.join(BENCHMARKS, "results", "simulate_resnet18_cluster.png"), rows,
-                 "ResNet-18 32x32, batch 32 per rank (compute measured here), on network.CLUSTER, ring")
+    png = os.path.join(out, "simulate_resnet18_cluster.png")
+    plot_scaling(png, rows, "ResNet-18 32x32, batch 32 per rank (compute measured here), on network.CLUSTER, ring")
+    print(f"wrote {png}")
     return 0
 
 

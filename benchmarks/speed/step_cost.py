@@ -17,6 +17,10 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shared"))
+# torch 2.14's profiler (Kineto) logs every start and stop ("USDT: ... profiler_start") and, without a GPU,
+# "gpuGetDeviceCount failed": four lines per rank per profiled step, around the results. Level 6 keeps them
+# out (the forked ranks inherit it); set KINETO_LOG_LEVEL yourself to see them.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
