@@ -9,7 +9,10 @@ chapter: minidp/sharded/README.md. In order (the first five are plain ZeRO-1):
   overlap.py            overlap_with_ddp=True, beside the class: hook_with_zero_step and its
                         policy StepInBackward (the step inside DDP's backward)
   bucket_assignment.py  overlap_with_ddp=True's partition: who steps which DDP bucket, pure
+  reduce_scatter.py     reduce_scatter=True, beside the class: hook_with_zero_reduce_scatter and its
+                        policy ReduceScatterStep (reduce-scatter, step the shard, all-gather)
 """
 from .optimizer import ZeroRedundancyOptimizer
+from .reduce_scatter import hook_with_zero_reduce_scatter
 
-__all__ = ["ZeroRedundancyOptimizer"]
+__all__ = ["ZeroRedundancyOptimizer", "hook_with_zero_reduce_scatter"]

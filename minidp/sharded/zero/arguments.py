@@ -99,3 +99,15 @@ def check_overlap(param_groups: list[dict], parameters_as_bucket_view: bool) -> 
         warnings.warn("`parameters_as_bucket_view=True` will be ignored since "
                       "`overlap_with_ddp=True`; instead, a different bucketing strategy will be "
                       "used", stacklevel=3)
+
+
+def check_reduce_scatter(overlap_with_ddp: bool, parameters_as_bucket_view: bool) -> None:
+    """reduce_scatter=True: neither overlap_with_ddp (another comm hook's mode) nor
+    parameters_as_bucket_view (its shard buckets are flat already)."""
+    if overlap_with_ddp:
+        raise ValueError("reduce_scatter=True and overlap_with_ddp=True: pick one (both replace "
+                         "DDP's comm hook: hook_with_zero_reduce_scatter or hook_with_zero_step)")
+    if parameters_as_bucket_view:
+        raise ValueError("reduce_scatter=True and parameters_as_bucket_view=True: leave "
+                         "parameters_as_bucket_view False (reduce_scatter=True puts the "
+                         "parameters in flat buckets of its own)")

@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from ...engine.collectives import global_rank
 from ...validate import check_bool, check_int
 from . import arguments, flat_params, overlap, partition, state_dicts
+from .reduce_scatter import ReduceScatterStep
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -48,12 +49,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             hook_with_zero_step (overlap.py); the loop calls no step(). The partition is by DDP
             bucket and is made in the third step; the first two do not update (as torch's).
             Default False.
+        reduce_scatter: if True, DDP's all-reduce becomes a reduce-scatter into each rank's shard
+            and the step ends with an all-gather (DDP's bytes; reduce_scatter.py), driven by the
+            comm hook hook_with_zero_reduce_scatter, which makes the shards. Default False.
         **defaults: the local optimizer's keyword arguments (lr=..., weight_decay=...).
     """
 
     def __init__(self, params, optimizer_class: type[Optimizer], process_group: Any = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
-                 **defaults: Any):
+                 reduce_scatter: bool = False, **defaults: Any):
         params = arguments.check_params(params)
         # torch's attribute of this name (its join hook tests read it): the constructor's parameters
         self._all_params = arguments.all_params(params)
@@ -62,6 +66,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Joinable.__init__(self)
         # torch's attribute name: hook_with_zero_step (torch's and minidp's) checks it
         self._overlap_with_ddp = check_bool("overlap_with_ddp", overlap_with_ddp)
+        self._reduce_scatter = check_bool("reduce_scatter", reduce_scatter)
         optimizer_class = arguments.check_optimizer_class(optimizer_class, self._overlap_with_ddp)
         self.parameters_as_bucket_view = check_bool("parameters_as_bucket_view",
                                                     parameters_as_bucket_view)
@@ -78,7 +83,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # The policy, `_stepping`, picked here once: the step in step(), after backward, over the
         # partition made now; or (overlap_with_ddp) inside DDP's backward, where the hook partitions
         # DDP's buckets once they are final (overlap.py).
-        if self._overlap_with_ddp:
+        if self._reduce_scatter:
+            arguments.check_reduce_scatter(overlap_with_ddp, parameters_as_bucket_view)
+            self._stepping = ReduceScatterStep(optimizer_class)
+        elif self._overlap_with_ddp:
             arguments.check_overlap(self.param_groups, parameters_as_bucket_view)
             self._stepping = overlap.StepInBackward(optimizer_class, self.world_size)
         else:
@@ -115,7 +123,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return None
         Join.notify_join_context(self)  # under Join(): ranks still training shadow a joined rank
         loss = self._local_step(closure, **kwargs)
-        self._broadcast_shards()
+        self._stepping.share_shards(self)  # plain: the broadcasts; reduce_scatter: all-gathers
         return loss
 
     def _local_step(self, closure, **kwargs):
@@ -281,3 +289,7 @@ class StepAfterBackward:
 
     def check_ready(self) -> None:
         """Raise if the partition (and the local optimizer) is not made yet: here it always is."""
+
+    def share_shards(self, zero: ZeroRedundancyOptimizer) -> None:
+        """After the local step, every rank gets every shard: here by broadcasts."""
+        zero._broadcast_shards()
