@@ -1,5 +1,5 @@
-"""ZeroRedundancyOptimizer(reduce_scatter=True) with hook_with_zero_reduce_scatter: ZeRO-1 that sends
-what DDP sends (the ZeRO paper's stage 1; Megatron-LM's distributed optimizer).
+"""ZeroRedundancyOptimizer(reduce_scatter=True) with hook_with_zero_reduce_scatter: ZeRO-1 that
+sends what DDP sends (the ZeRO paper's stage 1; Megatron-LM's distributed optimizer).
 
 Plain ZeRO-1 (optimizer.py, and torch's) lets DDP all-reduce every gradient, steps its shard, then
 broadcasts it: 3(N-1)/N of the parameters sent by a rank each step, against DDP's 2(N-1)/N. Here
@@ -144,7 +144,7 @@ class ReduceScatterStep:
             name = f"all-gather bucket {k}"
             record(timeline, "begin", GATHER_LANE, name)
             # ranks meet here: every rank sends its chunk and receives the others'
-            work = dist.all_gather_into_tensor(bucket.flat, bucket.flat[bucket.mine].clone(),
+            work = dist.all_gather_single(bucket.flat, bucket.flat[bucket.mine].clone(),
                                                group=zero.process_group, async_op=True)
             self.gathers[k] = (work, name)
         if not self.pre_hooks:
@@ -153,7 +153,8 @@ class ReduceScatterStep:
     def check_add_param_group(self) -> None:
         raise RuntimeError("ZeroRedundancyOptimizer with `reduce_scatter=True` does not support "
                            "add_param_group(): the shard layout is fixed when "
-                           "hook_with_zero_reduce_scatter is made; pass every group at construction")
+                           "hook_with_zero_reduce_scatter is made; pass every group at "
+                           "construction")
 
     def check_built(self) -> None:
         """Raise unless the hook was made (it makes the layout and the local optimizer)."""
@@ -245,7 +246,7 @@ class ReduceScatterStep:
             name = f"reduce-scatter bucket {k}"
             record(timeline, "begin", SCATTER_LANE, name)
             # ranks meet here: each receives the sum of its chunk
-            work = dist.reduce_scatter_tensor(bucket.shard_grad, bucket.grads, group=group,
+            work = dist.reduce_scatter_single(bucket.shard_grad, bucket.grads, group=group,
                                               async_op=True)
             self.scatters.append((work, name))
         if len(self.scatters) == len(self.buckets):  # the whole model is on its way
@@ -279,7 +280,7 @@ class ReduceScatterStep:
 
 def hook_with_zero_reduce_scatter(ddp, zero, bucket_cap_mb: float = 25.0,
                                   overlap_param_gather: bool = False):
-    """The comm hook that makes `zero` (reduce_scatter=True) reduce-scatter gradients in DDP's place.
+    """The comm hook by which `zero` (reduce_scatter=True) reduce-scatters in DDP's place.
 
     Args:
         ddp: the DDP model (minidp.DDP; torch DDP works too, without a timeline).
