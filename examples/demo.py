@@ -9,7 +9,8 @@ warm-up over the first epoch, then cosine decay. Then it prints:
   * the largest absolute difference between the two runs' final weights and BatchNorm statistics
     (0.0 means bitwise equal);
   * the median step time of each run and their ratio minidp / DDP.
-About half a minute on two cores (25 s on 2026-12-03). Extra arguments go to both runs, e.g. `--epochs 5`.
+35 s to 1.5 min on the project's 2-core machine, with the load (README.md: the recorded runs).
+Extra arguments go to both runs, e.g. `--epochs 5`.
 """
 from __future__ import annotations
 

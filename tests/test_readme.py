@@ -10,7 +10,7 @@ What changes before a README line runs, and nothing else:
     16 px images); examples/minimal.py runs as written (a few seconds) but for the world size (below);
   * `python -m minidp.explain` runs on 16 px images, 2 per rank (`--input-shape 3,16,16 --batch 2`): the
     bucket layouts it prints do not depend on the input size, so they must equal the README's output;
-    its `--out explain` and simulate's `--plot scaling.png` go to a temp folder. `python -m
+    its `--out runs/explain` and simulate's `--plot runs/scaling.png` go to a temp folder. `python -m
     minidp.simulate` runs as written (a recorded step in, a table out, deterministic): its output must
     be the README's, line for line;
   * world size: a command for two nodes ("on each node") runs twice at once on 127.0.0.1, with
@@ -203,9 +203,9 @@ def small_form(cmd: str, ws: Workspace, node_rank: int = 0, port: int = 0) -> st
     out = out.replace("~/imagenette", str(ws.imagenette))
     if out.startswith("python -m minidp.explain "):
         out = out.replace("--input-shape 3,32,32 --batch 32", "--input-shape 3,16,16 --batch 2")
-        out = out.replace("--out explain", f"--out {ws.tmp / 'explain'}")
-    out = out.replace("--plot scaling.png", f"--plot {ws.tmp / 'scaling.png'}")
-    out = out.replace("--plot pays_off.png", f"--plot {ws.tmp / 'pays_off.png'}")
+        out = out.replace("--out runs/explain", f"--out {ws.tmp / 'explain'}")
+    out = out.replace("--plot runs/scaling.png", f"--plot {ws.tmp / 'scaling.png'}")
+    out = out.replace("--plot runs/pays_off.png", f"--plot {ws.tmp / 'pays_off.png'}")
     return out + " --tiny" if TRAINING_EXAMPLE.search(out) else out
 
 
@@ -658,7 +658,7 @@ def test_readme_holds_what_this_test_runs():
     assert examples == {"bash": 0, "diff": 0, **EXPECTED_EXAMPLES}, f"examples/README.md now has {examples}"
     text = open(README).read()
     for placeholder in ("~/imagenette", "10.0.0.1", "--master-port 29500", "--node-rank 0",
-                        "--input-shape 3,32,32 --batch 32 --out explain", "--plot scaling.png"):
+                        "--input-shape 3,32,32 --batch 32 --out runs/explain", "--plot runs/scaling.png"):
         assert placeholder in text, f"README.md no longer has {placeholder!r}: drop what this file does with it"
     assert '"imagenet/train"' in open(EXAMPLES_README).read(), "examples/README.md's DALI snippet changed"
 
@@ -692,6 +692,18 @@ def test_every_python_snippet_runs_as_pasted_or_says_it_is_a_fragment(path):
         label = FRAGMENT.match(block.text)
         assert label, f"{path} line {block.line}: not runnable as pasted; its first line must say '# fragment ...'"
         assert os.path.exists(os.path.join(ROOT, label.group(1))), f"line {block.line}: no {label.group(1)}"
+
+
+def test_the_sharded_readmes_fully_shard_snippet_says_it_is_a_fragment():
+    """minidp/sharded/README.md's fully_shard snippet (MyTransformer and x are the reader's) does not run as pasted:
+    its first line says so and names a whole script that exists, and it compiles. (That README's other snippets
+    are its own chapter's; this test holds only this one.)"""
+    path = os.path.join(ROOT, "minidp", "sharded", "README.md")
+    blocks = [b for b in read_blocks(path) if b.lang == "python" and "minidp.fully_shard(" in b.text]
+    assert len(blocks) == 1, f"{path}: {len(blocks)} python blocks call minidp.fully_shard"
+    compile(blocks[0].text, f"{path} line {blocks[0].line}", "exec")
+    label = FRAGMENT.match(blocks[0].text)
+    assert label and os.path.exists(os.path.join(ROOT, label.group(1))), blocks[0].text.splitlines()[0]
 
 
 def test_every_code_block_says_its_language():
@@ -746,8 +758,8 @@ def test_parsing_helpers():
     assert small_form("python examples/train_dali.py --data ~/imagenette", ws) == (
         "python examples/train_dali.py --data /data/imagenette --tiny")
     explain = "python -m minidp.explain resnet18 --world-size 2 --input-shape {} --batch {} --out {}"
-    assert small_form(explain.format("3,32,32", 32, "explain"), ws) == explain.format("3,16,16", 2, "/t/explain")
-    assert small_form("python -m minidp.simulate --events e.json --plot scaling.png", ws) == (
+    assert small_form(explain.format("3,32,32", 32, "runs/explain"), ws) == explain.format("3,16,16", 2, "/t/explain")
+    assert small_form("python -m minidp.simulate --events e.json --plot runs/scaling.png", ws) == (
         "python -m minidp.simulate --events e.json --plot /t/scaling.png")
     row = "       1     12    27.52  layer4.1.bn2.weight    layer4.0.conv2.weight  +134.4 ms +178.8 ms    +107.5 ms"
     assert BUCKET_ROW.findall(row) == [("1", "12", "27.52", "layer4.1.bn2.weight", "layer4.0.conv2.weight")]
