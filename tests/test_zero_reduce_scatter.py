@@ -313,3 +313,27 @@ def test_shard_buckets_and_pieces_by_hand():
     # a bucket of 10 elements at 3 ranks: chunks of 4 (2 of padding); a parameter at 3..9
     assert cut_pieces(3, 6, 4, 3) == [(0, 0, 1), (1, 1, 5), (2, 5, 6)]
     assert cut_pieces(0, 4, 4, 2) == [(0, 0, 4)]
+
+
+def test_the_simulator_knows_the_variant():
+    from minidp.study.memory_model import predict_memory, zero1_beside_ddp
+    from minidp.study.network import CLUSTER
+    from minidp.study.simulate import Profile, simulate_step
+
+    for n in (2, 4, 64):
+        rows = zero1_beside_ddp(1000, n, k=8, weight_bytes=4, grad_bytes=4)
+        ring = (n - 1) / n
+        assert rows["reduce_scatter"]["sent"] == pytest.approx(2 * ring * 4000)  # DDP's bytes
+        assert rows["broadcast"]["sent"] == pytest.approx(3 * ring * 4000)  # torch's ZeRO-1
+        zero1 = predict_memory(1000, n, k=8, weight_bytes=4, grad_bytes=4)[1]
+        assert all(rows[m]["total"] == zero1["total"] for m in rows)  # memory: ZeRO-1's
+    profile = Profile(0.01, ["a", "b"], [0.005, 0.01], [4e7, 4e7], 0.01, 0.001, 0.002)
+    steps = {z: simulate_step(profile, CLUSTER, 16, zero=z) for z in
+             (None, "broadcast", "reduce_scatter", "reduce_scatter_overlap")}
+    # comm: DDP's all-reduces = reduce-scatters + all-gather; torch's ZeRO-1 adds half of that
+    assert steps["reduce_scatter"]["comm_s"] == pytest.approx(steps[None]["comm_s"], rel=0.05)
+    assert steps["broadcast"]["comm_s"] == pytest.approx(1.5 * steps[None]["comm_s"], rel=0.05)
+    assert steps["reduce_scatter_overlap"]["step_s"] < steps["reduce_scatter"]["step_s"] < \
+        steps["broadcast"]["step_s"]
+    with pytest.raises(ValueError, match="zero="):
+        simulate_step(profile, CLUSTER, 16, zero="stage1")

@@ -76,6 +76,22 @@ def predict_memory(params: float, ranks: int, k: float = 12, weight_bytes: int =
     return rows
 
 
+def zero1_beside_ddp(params: float, ranks: int, k: float = 12, weight_bytes: int = 2,
+                     grad_bytes: int = 2) -> dict:
+    """ZeRO-1 as it runs beside DDP, by how its weights come back: {mode: predict_memory's ZeRO-1 row}.
+
+    "reduce_scatter" (minidp's ZeroRedundancyOptimizer(reduce_scatter=True), the paper's stage 1,
+    Megatron's distributed optimizer): the row above as it is, 2(N-1)/N Ψ sent (a reduce-scatter of the
+    gradients, an all-gather of the weights). "broadcast" (torch's ZeroRedundancyOptimizer, minidp's
+    plain one): DDP's all-reduce, then the shards' broadcasts: 3(N-1)/N Ψ, volume 3. Memory: ZeRO-1's,
+    both (the flat buffers either keeps beside it are predict_peak's business).
+    """
+    row = predict_memory(params, ranks, k, weight_bytes, grad_bytes)[1]
+    ring = (ranks - 1) / ranks
+    broadcast = dict(row, sent=ring * params * (2 * grad_bytes + weight_bytes), volume=3)
+    return {"reduce_scatter": dict(row), "broadcast": broadcast}
+
+
 def _partition_max(tensors: list, ranks: int) -> int:
     """Parameters on the fullest rank when whole tensors are dealt out as ZeroRedundancyOptimizer deals
     them (torch's rule, minidp's too): largest first, each to the rank holding the fewest so far (the

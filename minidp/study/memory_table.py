@@ -9,7 +9,7 @@ import argparse
 import json
 
 from ..validate import check_int, check_number
-from .memory_model import PAPER_FIGURE_1, predict_memory
+from .memory_model import PAPER_FIGURE_1, predict_memory, zero1_beside_ddp
 
 SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}  # 7.5B = 7.5e9 parameters
 UNITS = (("B", 0), ("kB", 3), ("MB", 6), ("GB", 9), ("TB", 12), ("PB", 15))  # 10^exponent bytes, as the paper
@@ -77,6 +77,11 @@ def format_memory_table(rows: list, params: float, ranks: int, k: float) -> str:
         sizes = [format_size(r[key], scale) for key in ("weights", "gradients", "optimizer", "total", "sent")]
         lines.append(f"{r['name'] + ' (' + r['paper_name'] + ')':<20}{sizes[0]:>9}{sizes[1]:>10}{sizes[2]:>10}"
                      f"{sizes[3]:>8}   {sizes[4]:>9}{str(r['volume']) + 'Ψ':>8}")
+    # ZeRO-1 beside DDP: the row above is reduce_scatter=True's; torch's sends a third more
+    bcast = format_size(zero1_beside_ddp(params, ranks, k)["broadcast"]["sent"], scale)
+    label = "  ZeRO-1, torch's ZeroRedundancyOptimizer (+ broadcasts)"
+    lines += [f"{label:<60}{bcast:>9}{'3Ψ':>8}",
+              "  (ZeRO-1 above: minidp's ZeroRedundancyOptimizer(reduce_scatter=True), DDP's bytes)"]
     lines += ["volume: the paper's elements a rank moves per step; sent: a ring's (N-1)/N of them, 2 bytes each",
               "measured beside torch's: ZeRO-1 benchmarks/memory/zero.py, ZeRO-2/3 (fully_shard) "
               "benchmarks/memory/fully_shard.py (results in benchmarks/RESULTS.md)"]

@@ -133,8 +133,11 @@ def plan_buckets(profile: Profile, bucket_cap_mb: float | None = None) -> list:
             for bucket in bucket_indices(profile, bucket_cap_mb)]
 
 
+ZERO_MODES = ("broadcast", "reduce_scatter", "reduce_scatter_overlap")
+
+
 def simulate_step(profile: Profile, net: Network, world_size: int, bucket_cap_mb: float | None = None,
-                  compression: float = 1.0) -> dict:
+                  compression: float = 1.0, zero: str | None = None) -> dict:
     """Predict one step at `world_size` ranks.
 
     Args:
@@ -143,6 +146,14 @@ def simulate_step(profile: Profile, net: Network, world_size: int, bucket_cap_mb
         world_size: ranks.
         bucket_cap_mb: DDP's bucket_cap_mb. Default None (1 MiB first bucket, then 25 MiB).
         compression: bytes sent / gradient bytes (0.5 for fp16 or bf16 hooks). Default 1.0.
+        zero: ZeRO-1 beside DDP. None (default): plain DDP. "broadcast": torch's (and minidp's plain)
+            ZeroRedundancyOptimizer: the all-reduces, then after the step the shards' broadcasts,
+            (N-1)/N of the parameters, exposed: 3(N-1)/N in all. "reduce_scatter":
+            ZeroRedundancyOptimizer(reduce_scatter=True): a reduce-scatter per bucket instead of
+            the all-reduce, then an all-gather after the step, exposed: 2(N-1)/N, DDP's bytes.
+            "reduce_scatter_overlap": the all-gather hidden behind the next forward as far as it
+            lasts (overlap_param_gather=True). A ring's reduce-scatter, all-gather or broadcast is
+            half of its all-reduce (N-1 steps of (N-1)/N of the bytes).
 
     Returns:
         dict: world_size, step_s, compute_s, comm_s (all all-reduces end to end), exposed_s (what the
@@ -151,11 +162,15 @@ def simulate_step(profile: Profile, net: Network, world_size: int, bucket_cap_mb
     """
     check_int("world_size", world_size, 1)
     check_number("compression", compression, positive=True, high=1.0)
+    if zero is not None and zero not in ZERO_MODES:
+        raise ValueError(f"zero={zero!r} must be None or one of {ZERO_MODES}")
+    # a reduce-scatter in place of each all-reduce: half of it
+    per_bucket = 0.5 if zero in ("reduce_scatter", "reduce_scatter_overlap") else 1.0
     launched = channel_free = 0.0
     comm = 0.0
     for nbytes, ready in plan_buckets(profile, bucket_cap_mb):
         launched = max(ready, launched)  # in order: a bucket waits for every earlier one to launch
-        duration = allreduce_time(nbytes * compression, world_size, net)
+        duration = per_bucket * allreduce_time(nbytes * compression, world_size, net)
         channel_free = max(launched, channel_free) + duration  # one all-reduce at a time
         comm += duration
     if net.shared_cores:
@@ -163,16 +178,22 @@ def simulate_step(profile: Profile, net: Network, world_size: int, bucket_cap_mb
     else:
         backward_end = max(profile.backward_s, channel_free)
     step = profile.forward_s + backward_end + profile.finalize_s + profile.optimizer_s
+    # ZeRO-1's weights after the step: broadcasts or an all-gather, half an all-reduce of them all
+    after = 0.0 if zero is None else 0.5 * allreduce_time(sum(profile.nbytes), world_size, net)
+    comm += after
+    hidden_after = min(after, profile.forward_s) if zero == "reduce_scatter_overlap" else 0.0
+    step += after - (0.0 if net.shared_cores else hidden_after)
     exposed = step - profile.compute_s
     return {"world_size": world_size, "step_s": step, "compute_s": profile.compute_s, "comm_s": comm,
             "exposed_s": exposed, "hidden": None if comm == 0 else min(1.0, max(0.0, 1 - exposed / comm)),
-            "efficiency": profile.compute_s / step, "buckets": len(plan_buckets(profile, bucket_cap_mb))}
+            "efficiency": profile.compute_s / step, "buckets": len(plan_buckets(profile, bucket_cap_mb)),
+            "zero": zero}
 
 
 def scaling(profile: Profile, net: Network, world_sizes=WORLD_SIZES, bucket_cap_mb: float | None = None,
-            compression: float = 1.0) -> list:
+            compression: float = 1.0, zero: str | None = None) -> list:
     """simulate_step for each world size."""
-    return [simulate_step(profile, net, n, bucket_cap_mb, compression) for n in world_sizes]
+    return [simulate_step(profile, net, n, bucket_cap_mb, compression, zero) for n in world_sizes]
 
 
 def best_cap(profile: Profile, net: Network, world_size: int, caps, compression: float = 1.0):
@@ -232,6 +253,9 @@ def parse_args(argv=None):
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help=f"default: DDP's ({DEFAULT_FIRST_BUCKET_BYTES // MIB} MiB first, then {DEFAULT_BUCKET_CAP_MB})")
     p.add_argument("--compression", type=float, default=1.0, help="bytes sent / gradient bytes (default 1)")
+    p.add_argument("--zero", choices=ZERO_MODES, default=None,
+                   help="ZeRO-1 beside DDP: torch's (broadcast), reduce_scatter=True, or it with "
+                        "overlap_param_gather (default: plain DDP)")
     p.add_argument("--world-sizes", default=",".join(map(str, WORLD_SIZES[1:])), help="default 2,4,...,1024")
     p.add_argument("--caps", default=None, help="also compare bucket caps, e.g. 1,5,25,100")
     net = p.add_argument_group("network (default: 8 ranks per node, 5 us and 100 GB/s inside, 15 us and "
@@ -296,7 +320,7 @@ def main(argv=None) -> int:
     try:
         profile = Profile.load(args.events, args.rank)
         net = network_from_args(args)
-        rows = scaling(profile, net, args.world_sizes, args.bucket_cap_mb, args.compression)
+        rows = scaling(profile, net, args.world_sizes, args.bucket_cap_mb, args.compression, args.zero)
         caps = args.caps and {n: best_cap(profile, net, n, args.caps, args.compression) for n in args.world_sizes}
     except (OSError, ValueError, TypeError, KeyError) as e:
         p.error(f"{type(e).__name__}: {e}")
