@@ -1,0 +1,39 @@
+"""Smoke test of benchmarks/speed/real_models.py --quick: a real command, 2 forked ranks, tiny GPT-2.
+
+No timing assertions (speed lives in benchmarks/RESULTS.md): the table's columns are there, every pair ran
+both engines, and they took turns every step (the order flipped each step).
+"""
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
+from processes import clean_env  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAIRS = ("ddp_static", "zero_hook", "fsdp")
+
+
+def test_real_models_quick(tmp_path):
+    out = tmp_path / "real_models.json"
+    cmd = [sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "speed", "real_models.py"), "--quick",
+           "--world-sizes", "2", "--models", "gpt2", "--pairs", *PAIRS, "--runs", "3", "--steps", "2",
+           "--warmup", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(MINIDP_START_METHOD="fork"), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ratio" in proc.stdout and "held MiB" in proc.stdout and "loadavg before" in proc.stdout
+    result = json.loads(out.read_text())
+    assert [r["pair"] for r in result["rows"]] == list(PAIRS)
+    for row in result["rows"]:
+        assert set(result["columns"]) <= set(row), row
+        assert row["model"] == "gpt2" and row["N"] == 2
+        assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
+        assert len(row["runs"]) == 3 and all(r["torch"] > 0 and r["minidp"] > 0 for r in row["runs"])
+        # both engines every step, the first one flipped each step: t m, m t
+        assert row["sequence"] == "tmmt", row["sequence"]
+        assert row["colls_torch"] > 0 and row["colls_minidp"] > 0 and row["mb_minidp"] > 0
+        assert row["held_minidp"] > 0 and row["held_pred"] > 0 and row["peak_pred"] > 0
+    # the same collectives for the same options, whoever issues them
+    assert all(r["colls_torch"] == r["colls_minidp"] for r in result["rows"])
