@@ -33,7 +33,12 @@ Memory, rank 0: "held" = bytes of the engine's parameters (local shards), gradie
 state after a step, each storage once (shared/rank_memory.py), beside "pred" = predict_peak's weights +
 gradients + optimizer; "peak" = held + the rise of the process's peak during one step of that engine
 (CPU: VmHWM after resetting it via /proc/self/clear_refs, less VmRSS before; GPU: max_memory_allocated
-less memory_allocated) beside predict_peak's "total" (which leaves out activations: the RSS rise has them).
+less memory_allocated) beside predict_peak's "total" (which leaves out activations: the rise has them).
+On CPU "peak" is a lower bound: the rise is 0 where malloc reuses memory freed earlier in the process
+(both engines' earlier steps), and buffers an engine keeps between steps outside its parameters, gradients
+and optimizer (torch DDP's C++ buckets when gradient_as_bucket_view=False) are in neither figure (the
+prediction counts them). torch's profiler records no allocations under profile_all_threads, which the
+collective count needs.
 Load: /proc/loadavg's 1-minute figure when a pair starts and ends.
 
 The JSON goes to runs/real_models/ (ignored) unless --json says where; --results-md FILE writes the
