@@ -1,7 +1,7 @@
 """Predict one step of data-parallel training at any scale from a recorded timeline and a network model.
 
-    python -m minidp.explain resnet18 --world-size 1 --input-shape 3,32,32 --batch 32   # record a step
-    python -m minidp.simulate --events explain_resnet18_events.json --plot scaling.png
+    python -m minidp.explain resnet18 --world-size 1 --input-shape 3,32,32 --batch 32 --out runs/explain  # record
+    python -m minidp.simulate --events runs/explain/explain_resnet18_events.json --plot runs/scaling.png
     python -m minidp.simulate --events ... --bucket-cap-mb 5 --compression 0.5 --algorithm tree --caps 1,5,25,100
     python -m minidp.simulate --study benchmarks/results/compression_study.json   # time to target (time_to_target.py)
     python -m minidp.simulate goodput   # goodput under failures at 1,024-16,384 GPUs: restart vs heal (goodput.py)
