@@ -266,6 +266,16 @@ def collectives(engine, x, y) -> dict:
     return {"count": count, "bytes": 4 * sum(whole.values()), "by_op": whole}
 
 
+def top_ops(engine, x, y, device, steps: int) -> str:
+    """torch.profiler's table of `steps` steps (this rank's thread), the ops with most self CPU time first."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            dist.barrier()  # ranks meet here: the profiled steps start together
+            step(engine, x, y)
+            synchronize(device)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50)
+
+
 def held_bytes(engine) -> int:
     """Parameters (local shards), gradients and optimizer state of this rank, each storage once."""
     model, opt, _ = engine
@@ -345,6 +355,8 @@ def run_pair(pair: str, name: str, cfg: dict, rank: int, device, mesh) -> dict:
         row[f"held_{side}"] = held[side] / mib
         row[f"peak_{side}"] = (held[side] + rise[side]) / mib
     row.update(runs=timing["runs"], sequence=timing["sequence"], by_op={s: colls[s]["by_op"] for s in SIDES})
+    if cfg.get("profile"):
+        row["profile"] = {side: top_ops(engines[side], x, y, device, cfg["profile"]) for side in SIDES}
     del engines
     gc.collect()
     return row
@@ -373,6 +385,8 @@ def _rank(local_rank, cfg, out_path):
                 raise
             if env.rank == 0 and cfg["verbose"]:
                 print(format_row(rows[-1]), flush=True)
+                for side, table in rows[-1].get("profile", {}).items():
+                    print(f"-- {name} {pair} {side}: {cfg['profile']} profiled steps, rank 0\n{table}", flush=True)
     if env.rank == 0:
         with open(out_path, "w") as f:
             json.dump(rows, f)
@@ -429,6 +443,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=None, help="GPT-2's sequence (default 64 on CPU, 1024 on GPU)")
     p.add_argument("--batch", type=int, nargs=3, default=None, metavar=("RESNET", "VIT", "GPT2"),
                    help="per-rank batch of each model (default 2 1 1 on CPU, 32 16 8 on GPU; quick 2 1 1)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="also profile STEPS steps of each engine (torch.profiler, rank 0's table printed)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--json", default=os.path.join(ROOT, "runs", "real_models", "real_models.json"))
     p.add_argument("--results-md", default=None, help="write the table into this file's section")
@@ -436,7 +452,7 @@ def main(argv=None) -> int:
     gpu = args.device == "cuda"
     pairs = list(args.pairs) + (["ddp_compile"] if args.compile and "ddp_compile" not in args.pairs else [])
     cfg = {"quick": args.quick, "device": args.device, "models": args.models, "pairs": pairs,
-           "runs": args.runs, "threads": args.threads, "verbose": True,
+           "runs": args.runs, "threads": args.threads, "verbose": True, "profile": args.profile,
            "steps": args.steps or (2 if args.quick else 5), "warmup": args.warmup or (2 if args.quick else 3),
            "image": args.image or (32 if args.quick else 224 if gpu else 64),
            "seq": args.seq or (16 if args.quick else 1024 if gpu else 64)}
