@@ -461,9 +461,9 @@ def main(argv=None) -> int:
     sizes = args.world_sizes or ([2] if args.quick else [2, 4])
     versions = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
                 "cpus": os.cpu_count()}
-    import torchvision
-    versions["torchvision"] = torchvision.__version__
-    print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, {args.device}, "
+    from importlib.metadata import version  # not `import torchvision`: seconds the GPT-2-only run needs not
+    versions["torchvision"] = version("torchvision")
+    print(f"torch {torch.__version__}, torchvision {versions['torchvision']}, {args.device}, "
           f"{'quick (narrow models) ' if args.quick else ''}inputs per rank: resnet50 {cfg['batch']['resnet50']}x3x"
           f"{cfg['image']}x{cfg['image']}, vit_b_16 {cfg['batch']['vit_b_16']}x3x"
           f"{32 if args.quick else 224}x{32 if args.quick else 224}, gpt2 {cfg['batch']['gpt2']}x{cfg['seq']} "
