@@ -29,16 +29,17 @@ a run's median per engine; the ratio minidp/torch of each run's medians; printed
 ratios and their min-max (the spread). Collectives and bytes: one profiled step per engine (torch's
 profiler records every c10d collective, whoever issued it); "MB" is the collectives' payload (the
 tensor each collective is given, all-gather: its output, reduce-scatter: its input; not ring-scaled).
-Memory, rank 0: "held" = bytes of the engine's parameters (local shards), gradients and optimizer
-state after a step, each storage once (shared/rank_memory.py), beside "pred" = predict_peak's weights +
-gradients + optimizer; "peak" = held + the rise of the process's peak during one step of that engine
-(CPU: VmHWM after resetting it via /proc/self/clear_refs, less VmRSS before; GPU: max_memory_allocated
-less memory_allocated) beside predict_peak's "total" (which leaves out activations: the rise has them).
-On CPU "peak" is a lower bound: the rise is 0 where malloc reuses memory freed earlier in the process
-(both engines' earlier steps), and buffers an engine keeps between steps outside its parameters, gradients
-and optimizer (torch DDP's C++ buckets when gradient_as_bucket_view=False) are in neither figure (the
-prediction counts them). torch's profiler records no allocations under profile_all_threads, which the
-collective count needs.
+Memory, rank 0: "held" = bytes of the engine's parameters (local shards), gradients and optimizer state
+after a step, each storage once (shared/rank_memory.py), beside "pred" = predict_peak's weights +
+gradients + optimizer (DDP, ZeRO-1: its partition of whole tensors; fully_shard: predict_memory's ZeRO-3
+row, what both reshard settings hold between steps); "peak" = held + the rise of the process's peak
+during one step of that engine (CPU: VmHWM after resetting it via /proc/self/clear_refs, less VmRSS
+before; GPU: max_memory_allocated less memory_allocated) beside predict_peak's "total" (which leaves out
+activations: the rise has them). On CPU "peak" is a lower bound: the rise is 0 where malloc reuses
+memory freed earlier in the process (both engines' earlier steps), and buffers an engine keeps between
+steps outside its parameters, gradients and optimizer (torch DDP's C++ buckets when
+gradient_as_bucket_view=False) are in neither figure (the prediction counts them). torch's profiler
+records no allocations under profile_all_threads, which the collective count needs.
 Load: /proc/loadavg's 1-minute figure when a pair starts and ends.
 
 The JSON goes to runs/real_models/ (ignored) unless --json says where; --results-md FILE writes the
@@ -75,7 +76,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import minidp  # noqa: E402
-from minidp.study.memory_model import predict_peak  # noqa: E402
+from minidp.study.memory_model import predict_memory, predict_peak  # noqa: E402
 
 MODELS = ("resnet50", "vit_b_16", "gpt2")
 PAIRS = ("ddp", "ddp_gbv", "ddp_static", "ddp_compile", "zero", "zero_hook", "fsdp", "fsdp_keep")
@@ -321,7 +322,10 @@ def predicted(pair: str, name: str, net: nn.Module, n: int) -> dict:
         units = [[p.numel() for p in net.parameters()]]
     p = predict_peak(units, n, STAGE[pair], k=k, weight_bytes=4, grad_bytes=4,
                      bucket_views=pair == "ddp_gbv")
-    return {"held": p["weights"] + p["gradients"] + p["optimizer"], "peak": p["total"]}
+    held = p["weights"] + p["gradients"] + p["optimizer"]  # DDP, ZeRO-1: the same all the step
+    if pair.startswith("fsdp"):  # after the step both reshard settings hold ZeRO-3's shards
+        held = predict_memory(sum(map(sum, units)), n, k=k, weight_bytes=4, grad_bytes=4)[3]["total"]
+    return {"held": held, "peak": p["total"]}
 
 
 def loadavg() -> float:
