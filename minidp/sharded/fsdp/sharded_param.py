@@ -94,6 +94,12 @@ class ShardedParam:
         # in two units (the root's first forward refuses it, as FSDP2)
         self.uid = param.__dict__.setdefault(ORIGINAL_UID, next(_uids))
         world, rank = mesh.shard_size, mesh.shard_rank
+        if isinstance(param, DTensor):  # e.g. tensor parallelism's: FSDP2 composes, minidp not
+            module, name = places[0]
+            raise NotImplementedError(
+                f"minidp.fully_shard: {type(module).__name__}.{name} is already a DTensor on "
+                f"{param.device_mesh} with {param.placements} (tensor parallelism?); sharding such "
+                "parameters again (FSDP2's FSDP + TP) is not built in minidp")
         if not param.is_contiguous():  # FSDP2's refusal, word for word
             raise NotImplementedError("FSDP does not support non-contiguous parameters yet: "
                                       f"{param.shape=} {param.stride()=}")
