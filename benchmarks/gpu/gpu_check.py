@@ -21,8 +21,9 @@ themselves: checks.py):
                (Both gloo checks use the quick models for a few steps: results, not speed, over gloo.)
 Every row counts the collectives its minidp run issued (collective_count.py); a row that issued none
 fails. Prints one verdict line per check and a table, and writes the table into --results-md between
-markers. Needs torch, CuPy for `cupy` (skipped without it), torchvision for ResNet-18 (skipped without
-it). Exit status 1 if any check failed.
+markers (default: nowhere; `--results-md benchmarks/RESULTS.md` updates the recorded one). Needs
+torch, CuPy for `cupy` (skipped without it), torchvision for ResNet-18 (skipped without it). Exit
+status 1 if any check failed.
 """
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="the MLP only, few steps")
     p.add_argument("--steps", type=int, default=None, help="timed steps per engine (default 30, quick 4)")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per check before it is killed")
-    p.add_argument("--results-md", default=os.path.join(BENCHMARKS, "RESULTS.md"), help="'' to skip writing")
+    p.add_argument("--results-md", default="",
+                   help="the RESULTS.md to write the table into (default '': none; "
+                        "benchmarks/RESULTS.md to update the recorded one)")
     p.add_argument("--checks", default=",".join(CHECKS), help="comma-separated subset (default: all)")
     p.add_argument("--share-processes", action=argparse.BooleanOptionalAction, default=None,
                    help="run the checks of one world size in one launch (default: on the CPU only)")

@@ -9,7 +9,8 @@ start to the host's wait for it (lanes "fully_shard all-gather" and "fully_shard
 named by the unit's module); this script adds, on the same Timeline, the step's phases (forward,
 backward, optimizer) and each Linear's compute (forward and backward, from module hooks). Records
 `--steps` steps after warm-up and keeps the one of median length (rank 0's clock), then writes into
-OUT/results/ (OUT defaults to benchmarks/):
+OUT/results/ (OUT defaults to runs/fsdp_timeline, ignored by git; --out benchmarks updates the recorded
+ones):
   fsdp_timeline_cpu.png    one panel per rank: step phases, then the collectives' and compute lanes
   fsdp_timeline_cpu.json   Chrome/Perfetto trace (pid = rank), https://ui.perfetto.dev
 """
@@ -47,7 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=7, help="recorded steps; the median-length one is kept")
     p.add_argument("--quick", action="store_true", help="4 x Linear(128, 128), 3 steps")
-    p.add_argument("--out", default=BENCHMARKS, help="folder whose results/ receives the files")
+    p.add_argument("--out", default=os.path.join("runs", "fsdp_timeline"),
+                   help="folder whose results/ receives the files (default: runs/fsdp_timeline, which git "
+                        "ignores; --out benchmarks to update the recorded ones)")
     args = p.parse_args(argv)
     if args.quick:
         args.width, args.layers, args.warmup, args.steps = 128, 4, 1, 3

@@ -5,7 +5,8 @@
     python benchmarks/overlap/timeline.py --quick --out /tmp/tl   # tiny sizes (the smoke test)
 
 Records `--steps` steps after warm-up and keeps the one of median length (rank 0's clock), then
-writes into OUT/results/ (OUT defaults to benchmarks/):
+writes into OUT/results/ (OUT defaults to runs/timeline, ignored by git; --out benchmarks updates the
+recorded ones):
   timeline_<workload>_<device>.json         Chrome/Perfetto trace: pid = rank, one track per lane
   timeline_<workload>_<device>.png          lanes: step phases, gradients ready, one per bucket
   timeline_<workload>_<device>_events.json  the raw events of every rank and the bucket plan
@@ -39,7 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=7, help="recorded steps; the median-length one is kept")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="the workload's tiny variant")
-    p.add_argument("--out", default=BENCHMARKS, help="folder whose results/ receives the files (default: benchmarks/)")
+    p.add_argument("--out", default=os.path.join("runs", "timeline"),
+                   help="folder whose results/ receives the files (default: runs/timeline, which git ignores; "
+                        "--out benchmarks to update the recorded ones)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: gloo on cpu, nccl on cuda")
     p.add_argument("--threads", type=int, default=1)

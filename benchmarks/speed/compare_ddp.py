@@ -7,7 +7,8 @@
 
 Writes OUT/results/compare_ddp_<device>.json (every raw step time), OUT/results/step_times_<device>.png
 and the tables into OUT/RESULTS.md (between markers, so hand-written notes around them survive).
-OUT defaults to benchmarks/. How the numbers are taken: see shared/measure.py and shared/memory.py.
+OUT defaults to runs/compare_ddp (ignored by git; --out benchmarks updates the recorded ones). How the
+numbers are taken: see shared/measure.py and shared/memory.py.
 """
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ QUICK = {"rounds": 2, "steps": 2, "warmup": 3, "constructions": 2, "sweep_rounds
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny models, few steps: a smoke run of seconds")
-    p.add_argument("--out", default=BENCHMARKS, help="folder for RESULTS.md and results/ (default: benchmarks/)")
+    p.add_argument("--out", default=os.path.join("runs", "compare_ddp"),
+                   help="folder for RESULTS.md and results/ (default: runs/compare_ddp, which git ignores; "
+                        "--out benchmarks to update the recorded ones)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: gloo on cpu, nccl on cuda")
     p.add_argument("--world-sizes", help="comma-separated (default: 1,2 on cpu; 1..#GPUs on cuda)")
