@@ -27,15 +27,17 @@ report["launch_module"] = minidp.launch.__module__
 report["ddp_name"] = minidp.DDP.__name__  # loads torch and the engine now
 engine_hooks = sys.modules["minidp.engine.hooks"]
 # minidp.hooks is a module of its own (no sys.modules swap) that gives the engine's names, not
-# copies, and the sharded optimizer's hooks (minidp/sharded/zero/overlap.py)
+# copies, and the sharded optimizer's hooks (minidp/sharded/zero/overlap.py, reduce_scatter.py)
 public_hooks = minidp.hooks  # imports minidp/hooks.py, which imports minidp/sharded/zero/overlap.py
 zero_hooks = sys.modules["minidp.sharded.zero.overlap"]
+reduce_scatter_hooks = sys.modules["minidp.sharded.zero.reduce_scatter"]
 report["hooks_names_are_the_engines"] = (
     public_hooks is not engine_hooks
     and minidp.hooks.__all__ == [*engine_hooks.__all__, "hook_with_zero_step",
-                                 "hook_with_zero_step_interleaved"]
+                                 "hook_with_zero_step_interleaved", "hook_with_zero_reduce_scatter"]
     and all(getattr(minidp.hooks, n) is getattr(engine_hooks, n) for n in engine_hooks.__all__)
-    and all(getattr(minidp.hooks, n) is getattr(zero_hooks, n) for n in minidp.hooks.__all__[-2:]))
+    and all(getattr(minidp.hooks, n) is getattr(zero_hooks, n) for n in minidp.hooks.__all__[-3:-1])
+    and minidp.hooks.hook_with_zero_reduce_scatter is reduce_scatter_hooks.hook_with_zero_reduce_scatter)
 
 import minidp.data  # noqa: E402
 import minidp.data.sampler  # noqa: E402, F401
