@@ -83,20 +83,21 @@ CASES = {
     "adamw-default-accumulate": Case("adamw", reshard=None, accumulate=2, prefetch=True),
     # bf16 weights in forward and backward, fp32 shards, optimizer and reduction
     "adamw-bf16-fp32": Case("adamw", mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                            reduce_dtype=torch.float32)),
+                                                            reduce_dtype=torch.float32),
+                            worlds=(1, 2)),
     # ... and the unsynced micro-batch's bf16 gradients kept in fp32
     "sgd-bf16-fp32-accumulate": Case("sgd", accumulate=2, mp=MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
     # all in bf16 but the shards: the reduce-scatter too; the root's outputs cast to fp32
     "sgd-bf16-keep": Case("sgd", reshard=False, mp=MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, output_dtype=torch.float32)),
+        param_dtype=torch.bfloat16, output_dtype=torch.float32), worlds=(1, 2)),
     "adamw-hsdp": Case("adamw", mesh="hsdp", worlds=(2, 4)),
     "sgd-hsdp-accumulate": Case("sgd", mesh="hsdp", accumulate=2, all_reduce_last=True,
                                 worlds=(2, 4)),
     "adamw-hsdp-bf16-keep": Case("adamw", mesh="hsdp", reshard=False, mp=MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32), worlds=(2,)),
     "adamw-reshard-to-2": Case("adamw", reshard=2, worlds=(4,)),
-    "adamw-shard-dim-1": Case("adamw", placement=True, worlds=(2, 4)),
+    "adamw-shard-dim-1": Case("adamw", placement=True, worlds=(2,)),
     "sgd-offload-accumulate": Case("sgd", offload=True, accumulate=2, worlds=(2,)),
 }
 
