@@ -52,7 +52,7 @@ SCENARIOS = {
     # minidp.DDP with gradient-as-bucket-view and small buckets inside each replica. From step 1, replica 0
     # dies mid-transfer the first time it serves a joiner that has another source (replica 1 after its
     # kill, or replica 2 after its hang): the joiner takes the state from the other; replica 0 restarts.
-    "ddp": ["--policy", "ddp", "--steps", "50", "--inject", "killserve@1:0,kill@3:1,exception@5:2,hang@14:2",
+    "ddp": ["--policy", "ddp", "--steps", "80", "--inject", "killserve@1:0,kill@3:1,exception@5:2,hang@14:2",
             "--ddp-kwargs", json.dumps({"gradient_as_bucket_view": True, "bucket_cap_mb": 0.0005})],
     # DiLoCo (3 inner steps a round) over minidp.DDP with static_graph
     "diloco": ["--policy", "diloco", "--steps", "30", "--inject", "kill@2:1,exception@3:2,hang@6:0",
