@@ -67,6 +67,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop line
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from collective_tally import tally  # noqa: E402  (shared/)
 from rank_memory import launch_json, storage_bytes  # noqa: E402  (shared/)
 from torch import nn  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook  # noqa: E402
@@ -237,29 +238,11 @@ def alternate(engines: dict, x, y, cfg: dict, device) -> dict:
     return {"runs": runs, "sequence": "".join(sequence)}
 
 
-def _numel(shapes) -> int:
-    if not shapes:
-        return 0
-    if isinstance(shapes[0], list):
-        return sum(_numel(s) for s in shapes)
-    n = 1
-    for d in shapes:
-        n *= d
-    return n
-
-
 def collectives(engine, x, y) -> dict:
     """{count, bytes} of the c10d collectives of one step (zero_bytes.py's count, payload not ring-scaled)."""
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, experimental_config=ALL_THREADS) as prof:
         step(engine, x, y)
-    count, whole, gloo = 0, {}, {"gloo:all_reduce": 0, "gloo:broadcast": 0}
-    for event in prof.events():
-        elements = max([_numel(s) for s in event.input_shapes] + [0])
-        if event.name in gloo:
-            gloo[event.name] += elements
-        elif event.name.startswith("c10d::") and event.name != "c10d::barrier":
-            count += 1
-            whole[event.name] = whole.get(event.name, 0) + elements
+    whole, gloo, count = tally(prof.events())
     if "c10d::allreduce_" in whole and not whole["c10d::allreduce_"]:  # tensor lists record no shapes
         whole["c10d::allreduce_"] = gloo["gloo:all_reduce"] - whole.get("c10d::_reduce_scatter_base_", 0)
     if "c10d::broadcast_" in whole and not whole["c10d::broadcast_"]:

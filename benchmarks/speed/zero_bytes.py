@@ -29,6 +29,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop line
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from collective_tally import tally  # noqa: E402  (shared/)
 from rank_memory import alternate_every_step  # noqa: E402  (shared/: the alternate-every-step loop)
 from torch import nn  # noqa: E402
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero  # noqa: E402
@@ -63,17 +64,6 @@ def _step(model, opt, x, y):
     opt.zero_grad()
 
 
-def _numel(shapes) -> int:
-    if not shapes:
-        return 0
-    if isinstance(shapes[0], list):
-        return sum(_numel(s) for s in shapes)
-    n = 1
-    for d in shapes:
-        n *= d
-    return n
-
-
 def _sent(model, opt, x, y, world_size) -> dict:
     """{collective: elements a rank sends} of one step (tests/test_zero_reduce_scatter.py's count)."""
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, experimental_config=ALL_THREADS) as prof:
@@ -81,13 +71,7 @@ def _sent(model, opt, x, y, world_size) -> dict:
         model(x)  # an overlapped all-gather ends here
         dist.barrier()
     ring = (world_size - 1) / world_size
-    whole, gloo = {}, {"gloo:all_reduce": 0, "gloo:broadcast": 0}
-    for event in prof.events():
-        elements = max([_numel(s) for s in event.input_shapes] + [0])
-        if event.name in gloo:
-            gloo[event.name] += elements
-        elif event.name.startswith("c10d::") and event.name != "c10d::barrier":
-            whole[event.name] = whole.get(event.name, 0) + elements
+    whole, gloo, _ = tally(prof.events())
     if "c10d::allreduce_" in whole:  # tensor-list collectives record no shapes: their gloo events'
         whole["c10d::allreduce_"] = gloo["gloo:all_reduce"] - whole.get("c10d::_reduce_scatter_base_", 0)
     if "c10d::broadcast_" in whole:
