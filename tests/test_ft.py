@@ -168,6 +168,9 @@ def test_quorum_rule():
     same = decide_quorum(3, {0: held, 1: held}, {**q2, "committed": True})
     assert same["epoch"] == q2["epoch"]  # same participants, last round committed: the group is reused
     assert decide_quorum(3, {0: held, 1: held}, {**q2, "committed": False})["epoch"] == q2["epoch"] + 1
+    # the quorum names the process each ask came from: a restarted replica tells its predecessor's place
+    q3 = decide_quorum(4, {0: {**held, "incarnation": "pid 7"}, 1: held}, None)
+    assert q3["incarnations"] == {"0": "pid 7", "1": None}
 
 
 def test_sample_stream_follows_the_membership_and_matches_distributed_sampler():
@@ -338,3 +341,51 @@ def test_the_record_gives_heals_in_the_order_they_happened(tmp_path):
     rounds, heals, digests = read_record(str(tmp_path))
     assert [(h["replica"], h["source"]) for h in heals] == [(2, 1), (0, 2)]
     assert rounds == [{"step": 0, "participants": [1]}] and digests == {(0, 1): "x"}
+
+
+def test_a_restarted_replica_never_takes_the_place_its_dead_predecessor_asked_for(tmp_path):
+    """Replica 0's process asks in a round and dies before the round forms; the launcher's restart (a new
+    process, id 0) asks in the same round, whose quorum, formed from the dead process's ask, names id 0 a
+    participant. The new process must not train there from its fresh weights (CI saw every commit of that
+    step differ from the replay): it voids its place, heals from replica 1 next round, and the run equals
+    the replay."""
+    c = Coordinator(port=0, max_replicas=2, join_timeout=30)  # the round waits for replica 1 to ask
+    threading.Thread(target=c.serve, kwargs={"stop_after_s": 60}, daemon=True).start()
+    address = f"127.0.0.1:{c.port}"
+
+    def make(replica_id):
+        os.environ["MINIDP_FT_REPLICA_ID"] = "0"  # ft_train.build seeds by it: every process the same weights
+        model, policy, stream = ft_train.build("ddp")
+        return model, ft.Replica(model, policy, stream, replica_id=replica_id, coordinator=address, timeout=2,
+                                 record=str(tmp_path))
+
+    def train(model, replica, steps):
+        while replica.committed < steps:
+            with replica.step() as r:
+                ft_train.body(model, replica.policy, replica.stream, r.rank, len(r.participants))
+
+    (m0, first), (m1, other) = make(0), make(1)
+    threads = [threading.Thread(target=train, args=(m0, first, 3)), threading.Thread(target=train, args=(m1, other, 3))]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    asked: dict = {}
+    threading.Thread(target=lambda: asked.update(first.quorum()), daemon=True).start()  # asks, and waits ...
+    while not c.store.check([f"ask/{c.round}/0"]) or c.store.check([f"ask/{c.round}/1"]):
+        time.sleep(0.01)
+    round_asked = c.round
+    first._beating.set()  # ... and dies before the round forms: its heartbeat stops, it never acts again
+    first.server.close()
+    m0b, restarted = make(0)  # takes the id once the old heartbeat has stood still for a lease
+    survivor = threading.Thread(target=train, args=(m1, other, 8))  # replica 1 asks: the round forms
+    survivor.start()
+    train(m0b, restarted, 8)
+    survivor.join(60)
+    other.close(), restarted.close()
+    assert asked["participants"] == [0, 1] and asked["incarnations"]["0"] == first.incarnation != restarted.incarnation
+    assert restarted.last_heal["source"] == 1 and restarted.committed == other.committed == 8
+    assert all(torch.equal(a, b) for a, b in zip(m0b.parameters(), m1.parameters()))
+    whys = [e["why"] for e in _entries(str(tmp_path), 1) if not e.get("heal") and not e["committed"]]
+    assert whys == [f"replica 0: replica 0 restarted after its previous process asked in round {round_asked}: "
+                    "that process's place in the round is void"], whys
+    report = check_run(str(tmp_path), lambda: ft_train.build("ddp"), ft_train.body)
+    assert report["steps"] == 8 and report["commits"] > 8 and not report["mismatches"], report

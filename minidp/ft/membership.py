@@ -8,6 +8,9 @@ whether it holds a state at all: a fresh process does not):
     joiners spread over them); it loads the state the sources hold after the round and asks again.
   * when no one holds a state (the run's start), the smallest id is the source and no step is
     trained this round: every replica starts from its weights, as DDP broadcasts rank 0's.
+  * incarnations: which process each asker's ask came from. A replica restarted after its ask
+    was read would otherwise take its dead predecessor's place (and train a step from the seed
+    weights): it acts on a quorum only if the quorum names its own incarnation.
   * epoch: the process group between participants is reused while the participants stay the same
     and every round commits; any change, or a discarded round (a collective may have broken it),
     starts a new one.
@@ -25,28 +28,30 @@ def decide_quorum(round_id: int, asks: dict, last: dict | None) -> dict:
 
     Args:
         round_id: the round being formed.
-        asks: replica id -> {"step": committed steps, "has_state": bool}.
+        asks: replica id -> {"step": committed steps, "has_state": bool, "incarnation": the asking
+            process's token (optional)}.
         last: the previous round's quorum with its decision merged in ("committed"), or None.
     """
+    incarnations = {str(i): a.get("incarnation") for i, a in asks.items()}
     holders = {i: a["step"] for i, a in asks.items() if a["has_state"]}
     if not holders:  # the run's start: the smallest id's weights are everyone's
         source = min(asks)
         return _quorum(round_id, 0, [], {i: [source] for i in asks if i != source}, last, train=False,
-                       seed_source=source)
+                       seed_source=source, incarnations=incarnations)
     newest = max(holders.values())
     participants = sorted(i for i, s in holders.items() if s == newest)
     joiners = sorted(i for i in asks if i not in participants)
     heal = {i: participants[k % len(participants):] + participants[:k % len(participants)]
             for k, i in enumerate(joiners)}
-    return _quorum(round_id, newest, participants, heal, last, train=True)
+    return _quorum(round_id, newest, participants, heal, last, train=True, incarnations=incarnations)
 
 
-def _quorum(round_id, step, participants, heal, last, train, seed_source=None) -> dict:
+def _quorum(round_id, step, participants, heal, last, train, seed_source=None, incarnations=None) -> dict:
     same = (last is not None and last["participants"] == participants and last.get("committed", False))
     epoch = last["epoch"] if same else (0 if last is None else last["epoch"]) + 1
     return {"round": round_id, "step": step, "participants": participants,
             "heal": {str(i): src for i, src in heal.items()}, "epoch": epoch, "train": train,
-            "seed_source": seed_source}
+            "seed_source": seed_source, "incarnations": incarnations or {}}
 
 
 class Liveness:

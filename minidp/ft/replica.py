@@ -86,6 +86,7 @@ class Replica:
                     self.store.compare_set(f"owner/{self.id}", holder, token).decode() != token:
                 raise RuntimeError(f"replica_id={self.id} is held by a live process ({holder}): two replicas "
                                    "cannot share an id; give each its own MINIDP_FT_REPLICA_ID")
+        self.incarnation = token  # this process, as against an earlier one with the same id
         mine = json.dumps(signature(self.model.state_dict()))
         run = self.store.compare_set("signature", "", mine).decode()
         if run != mine:
@@ -123,6 +124,9 @@ class Replica:
             if q.get("end"):
                 raise RuntimeError(f"replica {self.id}: {q['end']}; nothing left to heal from")
             if q["train"] and self.id in q["participants"]:
+                if not self.has_state or q["step"] != self.committed:  # the protocol's invariant, checked
+                    raise RuntimeError(f"replica {self.id}: round {q['round']} trains step {q['step']} but this "
+                                       f"replica holds {'no state' if not self.has_state else f'step {self.committed}'}")
                 return q
             if str(self.id) in q["heal"]:
                 self._heal(q)
@@ -138,14 +142,30 @@ class Replica:
         # (asking ahead is fine: it reads the asks of a round when it opens it).
         round_id = max(int(self._wait_get("round", deadline)), self.last_round + 1)
         while True:
-            ask = {"step": self.committed, "has_state": self.has_state}
+            ask = {"step": self.committed, "has_state": self.has_state, "incarnation": self.incarnation}
             self.store.set(f"ask/{round_id}/{self.id}", json.dumps(ask))
             q = json.loads(self._wait_get(f"quorum/{round_id}", deadline))
             self.last_round = round_id
-            if self.id in q["participants"] or str(self.id) in q["heal"] or q["seed_source"] == self.id \
-                    or q.get("end"):
+            if q.get("end"):
                 return q
+            named = self.id in q["participants"] or str(self.id) in q["heal"] or q["seed_source"] == self.id
+            if named and q["incarnations"].get(str(self.id)) == self.incarnation:
+                return q
+            if named:  # formed from the ask of this id's previous process, which died after asking
+                self._stand_in_for_predecessor(q)
             round_id += 1  # asked after that round closed: ask in the next one
+
+    def _stand_in_for_predecessor(self, q: dict) -> None:
+        """Say at once that this id's role in round q is void: its peers need not time out on it.
+
+        A participant's "no" vote discards the round before its peers start their collective (they
+        check the decision first); a source's `gone` key sends its joiners to their next source.
+        """
+        r, why = q["round"], (f"replica {self.id} restarted after its previous process asked in round "
+                              f"{q['round']}: that process's place in the round is void")
+        if self.id in q["participants"]:
+            self.store.set(f"vote/{r}/{self.id}", json.dumps({"ok": False, "why": why}))
+        self.store.set(f"gone/{r}/{self.id}", why)
 
     def _heal(self, q: dict) -> None:
         """Load the state the sources hold after round q from the first that delivers it."""
@@ -170,6 +190,8 @@ class Replica:
         while True:
             if self.store.check([key]):
                 return self.store.get(key)
+            if self.store.check([f"gone/{round_id}/{source}"]):  # restarted: the new process has no state
+                raise RuntimeError(self.store.get(f"gone/{round_id}/{source}").decode())
             time.sleep(0.05)
             now_beat = int(self.store.add(f"alive/{source}", 0))
             if now_beat != beat:
