@@ -385,6 +385,72 @@ def _hang(rank):
     return error_of(net, x)
 
 
+class MLP(nn.Module):
+    """torch's common_fsdp MLP: in_proj's rows (mult x dim) are cut by TP, then by FSDP, unevenly."""
+
+    def __init__(self, dim, mult):
+        super().__init__()
+        self.in_proj, self.out_proj = nn.Linear(dim, mult * dim), nn.Linear(mult * dim, dim)
+
+    def forward(self, x):
+        return F.relu(self.out_proj(F.relu(self.in_proj(x))))
+
+
+# (mlp dim, reshard_after_forward, activation checkpointing); dim 5: in_proj's 15 rows are 8 and 7 a
+# TP rank, then 4 + 4 and 4 + 3 a DP rank (uneven twice); dim 16: even everywhere
+TP_CASES = [(5, True, True), (16, False, False)]
+
+
+def _tensor_parallel(engine, dim, reshard, checkpointing, rank):
+    """FSDP over TP on a 2 x 2 mesh (dp, tp), torch's MLPStack test: Colwise/Rowwise parallel MLPs,
+    each its own unit, then the root; Adam, 20 steps."""
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(42)
+    net = nn.Sequential(MLP(dim, 3), MLP(dim, 4), MLP(dim, 3))
+    plan = {}
+    for i in range(3):
+        plan[f"{i}.in_proj"] = ColwiseParallel(use_local_output=False)
+        plan[f"{i}.out_proj"] = RowwiseParallel(use_local_output=i == 2)
+    parallelize_module(net, mesh["tp"], plan)
+    for mlp in net:
+        if checkpointing:
+            checkpoint(mlp)
+        ENGINES[engine](mlp, mesh=mesh["dp"], reshard_after_forward=reshard)
+    ENGINES[engine](net, mesh=mesh["dp"], reshard_after_forward=reshard)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2, foreach=False)
+    torch.manual_seed(43 + mesh["dp"].get_local_rank())  # TP ranks see the same batch
+    trace, patches = _tracing()
+    out = {"losses": [], "layout": {name: (str(p.placements), tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
+                                    for name, p in net.named_parameters()}}
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        with patches[0], patches[1], patches[2]:
+            loss = net(torch.randn(8, dim)).sum()
+            loss.backward()
+        if step == 0:
+            out["trace"] = list(trace)
+        out["losses"].append(loss.detach())
+        if step == STEPS - 1:
+            out["grads"] = [p.grad.to_local().clone() for p in net.parameters()]
+        opt.step()
+    out["full"] = {name: p.full_tensor() for name, p in net.named_parameters()}
+    return out
+
+
+def _tensor_parallel_refusal(engine):
+    """An int reshard_after_forward over a TP parameter (dp 4 x tp 1: 2 divides the shard group)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp"))
+    lin = parallelize_module(nn.Linear(4, 4), mesh["tp"], ColwiseParallel())
+
+    def build_and_run():
+        ENGINES[engine](lin, mesh=mesh["dp"], reshard_after_forward=2)
+        lin(torch.randn(2, 4))
+    return error_of(build_and_run)
+
+
 def _worker(folder):
     rank = dist.get_rank()
     world = dist.get_world_size()
@@ -403,7 +469,11 @@ def _worker(folder):
     out = {"training": training, "checkpoint": checkpoint, "errors": _bad_input(mesh),
            "meta": _deferred_init(mesh, rank) if world != 4 else None,
            "default mesh": _default_mesh(),
-           "hang": _hang(rank) if dist.get_world_size() == 2 else None}
+           "hang": _hang(rank) if dist.get_world_size() == 2 else None,
+           "tensor parallel": None if world != 4 else {
+               case: {engine: _tensor_parallel(engine, *case, rank) for engine in ENGINES} for case in TP_CASES},
+           "tensor parallel refusal": None if world != 4 else
+           {engine: _tensor_parallel_refusal(engine) for engine in ENGINES}}
     # ranks meet here: rank 0 hosts the store the others still build their meshes' groups through
     # (a rank outside a group finishes its part first); it must not exit before they are done
     dist.barrier()
@@ -606,3 +676,31 @@ def test_default_mesh_is_fsdp2s(ranks):
     for rank, out in enumerate(ranks):
         mine, theirs = out["default mesh"]["minidp"], out["default mesh"]["torch"]
         assert mine == theirs == ("cpu", (len(ranks),), (Shard(0),)), rank
+
+
+@pytest.mark.parametrize("case", TP_CASES, ids=lambda c: f"dim{c[0]}-reshard{c[1]}-ckpt{c[2]}")
+def test_fsdp_over_tensor_parallel_equals_fsdp2s_bitwise(ranks, case):
+    """FSDP over TP (torch's MLPStack, a 2 x 2 (dp, tp) mesh): the same joined-mesh placements
+    (_StridedShard where TP and FSDP both cut dim 0), local pieces, losses, gradients, weights and
+    FSDP collectives as torch's FSDP2, bit for bit, on every rank."""
+    if len(ranks) != 4:
+        pytest.skip("a 2 x 2 mesh: 4 ranks")
+    for out in ranks:
+        mine, theirs = out["tensor parallel"][case]["minidp"], out["tensor parallel"][case]["torch"]
+        for key in ("layout", "losses", "grads", "full", "trace"):
+            assert _same(mine[key], theirs[key]), (case, key)
+    layout = ranks[0]["tensor parallel"][case]["minidp"]["layout"]
+    assert layout["0.in_proj.weight"][0] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", layout
+    assert layout["0.out_proj.weight"][0] == "(Shard(dim=0), Shard(dim=1))", layout
+    assert layout["0.out_proj.bias"][0] == "(Shard(dim=0), Replicate())", layout
+    if case[0] == 5:  # 15 rows: 8 and 7 a TP rank, then 4 + 4 and 4 + 3 a DP rank
+        assert sorted({out["tensor parallel"][case]["minidp"]["layout"]["0.in_proj.weight"][1]
+                       for out in ranks}) == [(3, 5), (4, 5)]
+
+
+def test_fsdp_over_tensor_parallel_refuses_an_int_reshard_as_fsdp2(ranks):
+    if len(ranks) != 4:
+        pytest.skip("a 4 x 1 mesh: 4 ranks")
+    refusal = ranks[0]["tensor parallel refusal"]
+    assert refusal["minidp"] == refusal["torch"] == (
+        "NotImplementedError", "Resharding to smaller mesh is not supported for DTensor parameters yet")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from .mesh import ShardMesh, check_mesh, post_forward_mesh
 from .module import swap_class
@@ -84,6 +84,9 @@ def fully_shard(module: nn.Module | list, *, mesh: DeviceMesh | None = None,
         raise NotImplementedError("minidp.fully_shard: an int reshard_after_forward with a "
                                   "shard_placement_fn placing a parameter on a dim other than 0 "
                                   "is not built")
+    if any(isinstance(p, DTensor) for p, _ in params) and post_forward not in (None, shard_mesh):
+        # FSDP2's refusal, word for word (it raises at the first forward's end; here, before any work)
+        raise NotImplementedError("Resharding to smaller mesh is not supported for DTensor parameters yet")
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     unit = Unit(params, shard_mesh, device, post_forward, mp_policy, dims, offload) \
         if params else None

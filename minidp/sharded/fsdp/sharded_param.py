@@ -10,7 +10,8 @@ then the cut must be even (FSDP2's rule), the gather puts the chunks back side b
 dim, and the gradient's chunks are stacked along dim 0 before the reduce-scatter. Under HSDP the
 world here is the shard group (the mesh's last dim); the DTensor is (Replicate(), Shard(dim)).
 With CPU offload the shard (and its gradient) stays on the CPU; the gather input is copied to the
-device.
+device. A parameter that is already a DTensor (tensor parallelism's) is sharded the same way, its
+local tensor standing for the parameter; tensor_parallel.py says what changes (only the labels).
 
 The gathered copy (`unsharded`) is one nn.Parameter for the module's life, as in FSDP2: autograd
 saves it in forward and accumulates its .grad in backward. Resharding frees its memory by shrinking
@@ -31,6 +32,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .tensor_parallel import TensorParallelLayout
 
 REPLACED = "_minidp_replaced_by_fully_shard"  # marks an original parameter: where it was
 ORIGINAL_UID = "_minidp_fully_shard_uid"  # on an original parameter: its number, for tied weights
@@ -94,12 +97,6 @@ class ShardedParam:
         # in two units (the root's first forward refuses it, as FSDP2)
         self.uid = param.__dict__.setdefault(ORIGINAL_UID, next(_uids))
         world, rank = mesh.shard_size, mesh.shard_rank
-        if isinstance(param, DTensor):  # e.g. tensor parallelism's: FSDP2 composes, minidp not
-            module, name = places[0]
-            raise NotImplementedError(
-                f"minidp.fully_shard: {type(module).__name__}.{name} is already a DTensor on "
-                f"{param.device_mesh} with {param.placements} (tensor parallelism?); sharding such "
-                "parameters again (FSDP2's FSDP + TP) is not built in minidp")
         if not param.is_contiguous():  # FSDP2's refusal, word for word
             raise NotImplementedError("FSDP does not support non-contiguous parameters yet: "
                                       f"{param.shape=} {param.stride()=}")
@@ -107,6 +104,11 @@ class ShardedParam:
         if self.shard_dim >= param.dim():
             raise AssertionError(f"Shard dim {self.shard_dim} is invalid for {param.dim()}D "
                                  f"tensor: {param.shape}")
+        # tensor parallelism's DTensor: its local tensor (this TP rank's piece) is what is sharded
+        self.tp = TensorParallelLayout(param, mesh.mesh, mesh.placements(self.shard_dim), self.shard_dim) \
+            if isinstance(param, DTensor) else None
+        if self.tp is not None:
+            param = param.to_local()
         if self.shard_dim > 0 and param.size(self.shard_dim) % world != 0:
             raise NotImplementedError(f"FSDP does not support uneven sharding on dim "
                                       f"{self.shard_dim}: {param.size()} (world size: {world})")
@@ -165,6 +167,8 @@ class ShardedParam:
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
         """`local` (this rank's rows of the parameter or of its gradient) as a DTensor like it."""
         with torch.no_grad():
+            if self.tp is not None:
+                return self.tp.sharded(local)
             return DTensor.from_local(local, self.mesh.mesh, self.mesh.placements(self.shard_dim),
                                       run_check=False, shape=self.size, stride=self.stride)
 
@@ -185,6 +189,9 @@ class ShardedParam:
             storage = storage.untyped_storage()
             self.full = empty.clone().set_(storage, 0, (numel,), (1,))
             view = empty.clone().set_(storage, 0, self.size, self.stride)
+            if self.tp is not None:  # the whole TP piece, labelled as TP's DTensor
+                with torch.no_grad():
+                    view = self.tp.gathered(view)
             self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
         elif self.full.untyped_storage().size() == 0:
             self.full.untyped_storage().resize_(numel * self.full.element_size())
@@ -228,6 +235,8 @@ class ShardedParam:
         """An int reshard_after_forward: keep this rank's slice of the flat gathered copy for
         the `post` mesh's group (a copy: the gathered memory is freed) and register it as a
         DTensor on that mesh (FSDP2's sharded post-forward parameter)."""
+        if self.tp is not None:  # fully_shard refuses this before any parameter is built
+            raise NotImplementedError("Resharding to smaller mesh is not supported for DTensor parameters yet")
         numel = self.full.numel() // post.shard_size
         self.post_forward = self.full.narrow(0, numel * post.shard_rank, numel).clone()
         rows = torch.empty(self.size, device="meta").chunk(post.shard_size)
@@ -265,6 +274,8 @@ class ShardedParam:
         grad = None if self.unsharded is None else self.unsharded.grad
         if grad is None:
             return
+        if self.accumulated is not None or self.reduce_dtype is not None:
+            grad = self._local(grad)
         if self.accumulated is not None:
             self.accumulated += grad
         elif self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
@@ -284,10 +295,14 @@ class ShardedParam:
             return None
         if self.unsharded.grad is None:
             if zeros_if_unused and self.unsharded.requires_grad:
-                return torch.zeros_like(self.unsharded)
+                return self._local(torch.zeros_like(self.unsharded))
             return None
         grad, self.unsharded.grad = self.unsharded.grad, None
-        return grad
+        return self._local(grad)
+
+    def _local(self, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient of the gathered parameter as a plain tensor (TP's DTensor: its local piece)."""
+        return grad if self.tp is None else self.tp.local_grad(grad)
 
     def add_grad(self, rows: torch.Tensor) -> None:
         """Make `rows` (this rank's rows of the reduced gradient) the DTensor's .grad, or add."""
