@@ -396,16 +396,18 @@ class MLP(nn.Module):
         return F.relu(self.out_proj(F.relu(self.in_proj(x))))
 
 
-# (mlp dim, reshard_after_forward, activation checkpointing); dim 5: in_proj's 15 rows are 8 and 7 a
-# TP rank, then 4 + 4 and 4 + 3 a DP rank (uneven twice); dim 16: even everywhere
-TP_CASES = [(5, True, True), (16, False, False)]
+# (mlp dim, reshard_after_forward, activation checkpointing, sequence parallel); dim 5: in_proj's 15
+# rows are 8 and 7 a TP rank, then 4 + 4 and 4 + 3 a DP rank (uneven twice); dim 16: even everywhere.
+# Sequence parallel adds a LayerNorm whose weight is replicated over TP, its gradient a Partial sum.
+TP_CASES = [(5, True, True, False), (16, False, False, True)]
 
 
-def _tensor_parallel(engine, dim, reshard, checkpointing, rank):
+def _tensor_parallel(engine, dim, reshard, checkpointing, sequence_parallel, rank):
     """FSDP over TP on a 2 x 2 mesh (dp, tp), torch's MLPStack test: Colwise/Rowwise parallel MLPs,
-    each its own unit, then the root; Adam, 20 steps."""
+    each its own unit, then the root (with the LayerNorm, under sequence parallelism); Adam, 20 steps."""
     from torch.distributed._composable import checkpoint
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(42)
     net = nn.Sequential(MLP(dim, 3), MLP(dim, 4), MLP(dim, 3))
@@ -413,8 +415,12 @@ def _tensor_parallel(engine, dim, reshard, checkpointing, rank):
     for i in range(3):
         plan[f"{i}.in_proj"] = ColwiseParallel(use_local_output=False)
         plan[f"{i}.out_proj"] = RowwiseParallel(use_local_output=i == 2)
+    if sequence_parallel:
+        net.append(nn.LayerNorm(dim, bias=False))
+        plan["2.out_proj"] = RowwiseParallel(output_layouts=Shard(1))
+        plan["3"] = SequenceParallel(sequence_dim=1)
     parallelize_module(net, mesh["tp"], plan)
-    for mlp in net:
+    for mlp in net[:3]:
         if checkpointing:
             checkpoint(mlp)
         ENGINES[engine](mlp, mesh=mesh["dp"], reshard_after_forward=reshard)
@@ -427,11 +433,11 @@ def _tensor_parallel(engine, dim, reshard, checkpointing, rank):
     for step in range(STEPS):
         opt.zero_grad(set_to_none=step % 2 == 0)
         with patches[0], patches[1], patches[2]:
-            loss = net(torch.randn(8, dim)).sum()
+            loss = net(torch.randn(8, 4, dim) if sequence_parallel else torch.randn(8, dim)).sum()
             loss.backward()
         if step == 0:
             out["trace"] = list(trace)
-        out["losses"].append(loss.detach())
+        out["losses"].append(loss.full_tensor() if isinstance(loss, DTensor) else loss.detach())
         if step == STEPS - 1:
             out["grads"] = [p.grad.to_local().clone() for p in net.parameters()]
         opt.step()
@@ -678,7 +684,7 @@ def test_default_mesh_is_fsdp2s(ranks):
         assert mine == theirs == ("cpu", (len(ranks),), (Shard(0),)), rank
 
 
-@pytest.mark.parametrize("case", TP_CASES, ids=lambda c: f"dim{c[0]}-reshard{c[1]}-ckpt{c[2]}")
+@pytest.mark.parametrize("case", TP_CASES, ids=lambda c: f"dim{c[0]}-reshard{c[1]}-ckpt{c[2]}-sp{c[3]}")
 def test_fsdp_over_tensor_parallel_equals_fsdp2s_bitwise(ranks, case):
     """FSDP over TP (torch's MLPStack, a 2 x 2 (dp, tp) mesh): the same joined-mesh placements
     (_StridedShard where TP and FSDP both cut dim 0), local pieces, losses, gradients, weights and
@@ -693,6 +699,8 @@ def test_fsdp_over_tensor_parallel_equals_fsdp2s_bitwise(ranks, case):
     assert layout["0.in_proj.weight"][0] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", layout
     assert layout["0.out_proj.weight"][0] == "(Shard(dim=0), Shard(dim=1))", layout
     assert layout["0.out_proj.bias"][0] == "(Shard(dim=0), Replicate())", layout
+    if case[3]:  # the LayerNorm's weight: sharded by FSDP, replicated by TP (its gradient was Partial)
+        assert layout["3.weight"][0] == "(Shard(dim=0), Replicate())", layout
     if case[0] == 5:  # 15 rows: 8 and 7 a TP rank, then 4 + 4 and 4 + 3 a DP rank
         assert sorted({out["tensor parallel"][case]["minidp"]["layout"]["0.in_proj.weight"][1]
                        for out in ranks}) == [(3, 5), (4, 5)]
