@@ -62,3 +62,19 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+
+class FromNoise(nn.Module):
+    """GPT-2 for `python -m minidp.explain benchmarks/speed/gpt2.py:from_noise`-style use (explain
+    feeds float noise of --input-shape): each value picks a token, so the step is GPT-2's."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = GPT()
+
+    def forward(self, noise):
+        return self.gpt((noise.abs() * 1e4).long() % self.gpt.wte.num_embeddings)
+
+
+def from_noise() -> FromNoise:
+    return FromNoise()
