@@ -141,7 +141,10 @@ def test_every_failure_kind_survived_bitwise_equal_to_the_replay(name):
     assert any(h["replica"] == 1 and h["committed"] > 0 for h in heals)
     hung = [e for e in _entries(out, HUNG[name]) if e.get("heal") and e["committed"] > 0]
     if name == "ddp":  # the hung replica came back after it was left out, and healed
-        assert hung, _entries(out, HUNG[name])
+        # (a failure says what the hung replica did, round by round, and what the launcher printed)
+        assert hung, ([(e["round"], "heal" if e.get("heal") else e["step"], e.get("committed"), e.get("why"))
+                       for e in _entries(out, HUNG[name])], [line for line in output.splitlines()
+                                                             if "[minidp.ft]" in line or "minidp.run" in line])
         cut = [e for r in (1, 2) for e in _entries(out, r) if e.get("heal") and e["failed"]]
         assert len(cut) == 1 and cut[0]["source"] != 0 and "replica 0: IncompleteRead" in cut[0]["failed"][0], cut
         assert "restarting replica 0 alone (restart 2 of 2)" in output  # the source that died mid-transfer
