@@ -5,7 +5,8 @@
 
 Trains a small MLP through minidp.DDP (a world of one per replica) with ft.AverageGradients, or
 DiLoCo (--policy diloco); an `--inject kind@committed_step:replica` event fires once in the whole
-run (a file in DIR remembers it), mid-step: after forward, before backward. Each replica appends
+run (a file in DIR remembers it), mid-step: after forward, before backward, at the named replica's
+first step with at least committed_step steps committed. Each replica appends
 what it did to DIR/replica<id>.jsonl as it goes (a SIGKILL loses nothing written), and its final
 state to DIR/final<id>.pt.
 """
@@ -82,7 +83,9 @@ def injector(events, replica, out, ft_replica=None):
         for e in events:
             kind, at = e.split("@")
             step, who = at.split(":")
-            if int(who) != replica or int(step) != committed or e in fired:
+            # at this replica's first step at or after `step`: one that healed past it (left out of a
+            # round on a loaded machine, say) still gets its event
+            if int(who) != replica or committed < int(step) or e in fired:
                 continue
             with open(fired_path, "a") as f:
                 f.write(e + "\n")
