@@ -6,7 +6,7 @@
 Trains a small MLP through minidp.DDP (a world of one per replica) with ft.AverageGradients, or
 DiLoCo (--policy diloco); an `--inject kind@committed_step:replica` event fires once in the whole
 run (a file in DIR remembers it), mid-step: after forward, before backward, at the named replica's
-first step with at least committed_step steps committed. Each replica appends
+first step with at least committed_step steps committed and a peer in the round. Each replica appends
 what it did to DIR/replica<id>.jsonl as it goes (a SIGKILL loses nothing written), and its final
 state to DIR/final<id>.pt.
 """
@@ -78,13 +78,15 @@ def injector(events, replica, out, ft_replica=None):
     """A function that fires this replica's due event once in the run (mid-step)."""
     fired_path = os.path.join(out, "fired")
 
-    def fire(committed):
+    def fire(committed, participants):
+        if participants < 2:  # a failure alone in a round would test nothing: keep it for a round with peers
+            return
         fired = open(fired_path).read().split() if os.path.exists(fired_path) else []
         for e in events:
             kind, at = e.split("@")
             step, who = at.split(":")
-            # at this replica's first step at or after `step`: one that healed past it (left out of a
-            # round on a loaded machine, say) still gets its event
+            # at this replica's first step at or after `step` with a peer: one that healed past it (left
+            # out of a round on a loaded machine, say) still gets its event
             if int(who) != replica or committed < int(step) or e in fired:
                 continue
             with open(fired_path, "a") as f:
@@ -117,7 +119,8 @@ def main():
     fire = injector([e for e in a.inject.split(",") if e], replica.id, a.out, replica)
     while replica.committed < a.steps:
         with replica.step() as r:
-            body(model, policy, stream, r.rank, len(r.participants), lambda: fire(replica.committed))
+            count = len(r.participants)
+            body(model, policy, stream, r.rank, count, lambda: fire(replica.committed, count))
             time.sleep(float(os.environ.get("FT_STEP_S", "0")))  # slower steps: a woken replica rejoins
     torch.save({"model": model.state_dict(), "policy": policy.state_dict(), "hash": state_hash(model, policy)},
                os.path.join(a.out, f"final{replica.id}.pt"))
