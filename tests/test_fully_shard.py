@@ -408,8 +408,7 @@ def _tensor_parallel(engine, dim, reshard, checkpointing, sequence_parallel, ran
     each its own unit, then the root (with the LayerNorm, under sequence parallelism); Adam, 10 steps
     (torch's test's count; the suite's time)."""
     from torch.distributed._composable import checkpoint
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(42)
     net = nn.Sequential(MLP(dim, 3), MLP(dim, 4), MLP(dim, 3))

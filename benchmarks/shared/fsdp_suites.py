@@ -108,14 +108,15 @@ for _name in ("torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard",
             setattr(_mod, _n, _v)
     _places.append(_name)
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "swapped.log"), "a") as _f:
-    _f.write(f"pid {os.getpid()} thread {threading.get_ident()}: minidp at {os.path.dirname(minidp.__file__)}; fully_shard "
-             f"{_fully_shard.__module__}.{_fully_shard.__qualname__}; FSDPModule "
-             f"{'swapped: ' + _fsdp_module.__module__ if _fsdp_module is not None else 'not swapped (minidp has none)'}; "
+    _swapped = 'swapped: ' + _fsdp_module.__module__ if _fsdp_module is not None else 'not swapped (minidp has none)'
+    _f.write(f"pid {os.getpid()} thread {threading.get_ident()}: minidp at {os.path.dirname(minidp.__file__)}; "
+             f"fully_shard {_fully_shard.__module__}.{_fully_shard.__qualname__}; FSDPModule "
+             f"{_swapped}; "
              f"also {', '.join(sorted(_more)) or 'nothing else'}; "
              f"in {', '.join(_places)}\\n")
 '''
 
-CPU_MULTIPROCESS = '''"""Let torch's FSDPTest run its ranks with no accelerator (written by fsdp_suites.py --cpu-multiprocess).
+CPU_MULTIPROCESS = '''"""Let torch's FSDPTest run its ranks with no accelerator (by fsdp_suites.py --cpu-multiprocess).
 
 torch 2.14.1's FSDPTest._run and FSDPTestContinuous._init_pg (torch/testing/_internal/common_fsdp.py) exit
 with the multi-gpu-N skip code when torch.accelerator.device_count() < world_size, so on a CPU-only machine
@@ -341,7 +342,8 @@ def main():
         with open(args.json) as f:
             data = json.load(f)
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    data.update(minidp_from=args.minidp, repo_head=head, minidp_label=args.minidp_label, torch_version=torch.__version__, torch_git_version=torch.version.git_version,
+    data.update(minidp_from=args.minidp, repo_head=head, minidp_label=args.minidp_label,
+                torch_version=torch.__version__, torch_git_version=torch.version.git_version,
                 test_files_from="pytorch/pytorch test/distributed/_composable/fsdp/",
                 updated=datetime.datetime.now().isoformat(timespec="seconds"))
     data.setdefault("files", {})

@@ -125,8 +125,9 @@ class Replica:
                 raise RuntimeError(f"replica {self.id}: {q['end']}; nothing left to heal from")
             if q["train"] and self.id in q["participants"]:
                 if not self.has_state or q["step"] != self.committed:  # the protocol's invariant, checked
+                    held = "no state" if not self.has_state else f"step {self.committed}"
                     raise RuntimeError(f"replica {self.id}: round {q['round']} trains step {q['step']} but this "
-                                       f"replica holds {'no state' if not self.has_state else f'step {self.committed}'}")
+                                       f"replica holds {held}")
                 return q
             if str(self.id) in q["heal"]:
                 self._heal(q)

@@ -120,7 +120,7 @@ def main():
     while replica.committed < a.steps:
         with replica.step() as r:
             count = len(r.participants)
-            body(model, policy, stream, r.rank, count, lambda: fire(replica.committed, count))
+            body(model, policy, stream, r.rank, count, lambda count=count: fire(replica.committed, count))
             time.sleep(float(os.environ.get("FT_STEP_S", "0")))  # slower steps: a woken replica rejoins
     torch.save({"model": model.state_dict(), "policy": policy.state_dict(), "hash": state_hash(model, policy)},
                os.path.join(a.out, f"final{replica.id}.pt"))
