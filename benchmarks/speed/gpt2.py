@@ -1,36 +1,22 @@
 """GPT-2 124M in nanoGPT's shape (12 layers, 12 heads, 768 wide, 1,024 context, vocabulary 50,304, tied
 embedding), for the real-model benchmark (real_models.py).
 
-examples/train_lm.py holds the same model (its Block and GPT), but as a script with its own imports
-(examples/progress.py) and a character vocabulary; this file is the model alone, importable by the
-benchmark's ranks, with nanoGPT's sizes as defaults and its scaled init of the residual projections.
+The transformer block is examples/train_lm.py's (imported from there: one copy of it in the project);
+the GPT here differs from that script's in its defaults (nanoGPT's sizes), nanoGPT's scaled init of the
+residual projections, and a forward that returns the logits only, as the benchmark's loss takes them.
 """
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then a 4x MLP (nanoGPT's)."""
-
-    def __init__(self, n_embd: int, n_head: int):
-        super().__init__()
-        self.n_head = n_head
-        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.qkv, self.proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
-        x = x + self.proj(y)
-        return x + self.mlp(self.ln_2(x))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "examples"))
+from train_lm import Block  # noqa: E402  (examples/ on the path first)
 
 
 class GPT(nn.Module):
