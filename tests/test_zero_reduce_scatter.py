@@ -7,10 +7,15 @@ reduce-scatter variant, the lr halved midway (a scheduler's change must reach th
 At 1 and 2 ranks the two end bitwise equal (a sum of two numbers has one order); at 3 and 4 ranks
 gloo's reduce-scatter and its ring all-reduce add an element's terms in different orders, so the
 weights differ in the last bits: measured and bounded here.
+Checkpoints: the variant's consolidated state dict is compared with the plain step's (the same
+format: a plain optimizer's), and a fresh variant resumed from it must go on exactly as the run
+that was not stopped.
 Bytes: torch's profiler records every c10d collective with its tensors' shapes; a collective of S
 elements costs a rank (N-1)/N S (reduce-scatter, all-gather, broadcast) or 2(N-1)/N S (all-reduce).
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -94,6 +99,56 @@ def _training(rank):
         out[case] = {"plain": weights[False], "variant": weights[True],
                      "state_numel": sum(t.numel() for s in opt.optim.state.values()
                                         for t in s.values() if t.dim() > 0)}
+    return out
+
+
+def _checkpoints(rank, world_size):
+    """Per case: the consolidated state dicts of the plain step and the variant after STEPS // 2
+    steps (on the last rank), and the variant's final weights, uninterrupted and resumed from its
+    checkpoint in a fresh optimizer (the dict travels to every rank, as a file read by all)."""
+    out = {}
+    to = world_size - 1
+    half = rank_batches(STEPS, rank)
+    for case in ("sgd-tied-small", "adamw-groups-small-overlap"):
+        saved = {}
+        for variant in (False, True):
+            net, model, opt = _build(case, variant)
+            train(model, opt, half[:STEPS // 2])
+            model(torch.zeros(1, 8))
+            opt.consolidate_state_dict(to=to)
+            saved[variant] = [opt.state_dict() if rank == to else None]
+            dist.broadcast_object_list(saved[variant], src=to)
+        weights = snapshot(net)
+        train(model, opt, half[STEPS // 2:])
+        model(torch.zeros(1, 8))
+        fresh_net, fresh_model, fresh = _build(case, True)
+        with torch.no_grad():
+            for p, q in zip(fresh_net.parameters(), weights):
+                p.copy_(q)
+        fresh.load_state_dict(saved[True][0])
+        train(fresh_model, fresh, half[STEPS // 2:])
+        fresh_model(torch.zeros(1, 8))
+        out[case] = {"plain": saved[False][0], "variant": saved[True][0],
+                     "uninterrupted": snapshot(net), "resumed": snapshot(fresh_net)}
+    # parameter groups added before the hook: the hook's layout takes them
+    torch.manual_seed(0)
+    net = Net()
+    model = minidp.DDP(net)
+    groups = _params(net, True)
+    opt = minidp.ZeroRedundancyOptimizer(groups[0]["params"], torch.optim.AdamW, reduce_scatter=True,
+                                         lr=0.01, weight_decay=0.01)
+    opt.add_param_group(groups[1])
+    model.register_comm_hook(None, hook_with_zero_reduce_scatter(model, opt))
+    train(model, opt, half)
+    out["added_group"] = snapshot(net)
+    torch.manual_seed(0)
+    net = Net()
+    model = minidp.DDP(net)
+    opt = minidp.ZeroRedundancyOptimizer(_params(net, True), torch.optim.AdamW, reduce_scatter=True,
+                                         lr=0.01, weight_decay=0.01)
+    model.register_comm_hook(None, hook_with_zero_reduce_scatter(model, opt))
+    train(model, opt, half)
+    out["groups_at_construction"] = snapshot(net)
     return out
 
 
@@ -207,16 +262,28 @@ def _bad_arguments():
         "step_before_backward": error_of(made.step),
         "add_param_group": error_of(lambda: made.add_param_group(
             {"params": [nn.Parameter(torch.ones(2))]})),
-        "state_dict": error_of(made.consolidate_state_dict),
+        "unhooked_state_dict": error_of(fresh.consolidate_state_dict),
+        "not_consolidated": error_of(made.state_dict),
+        "whole_tensor_optimizer": error_of(lambda: minidp.ZeroRedundancyOptimizer(
+            net.parameters(), torch.optim.LBFGS, reduce_scatter=True)),
     }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        minidp.ZeroRedundancyOptimizer(net.parameters(), Lars, reduce_scatter=True, lr=0.1)
+    errors["unknown_optimizer_warns"] = [str(w.message) for w in caught]
     return errors
+
+
+class Lars(torch.optim.SGD):
+    """A stand-in for a user's optimizer class that is not one of torch's element-wise ones."""
 
 
 def _worker():
     torch.set_num_threads(1)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     return {"training": _training(rank), "bytes": _bytes(rank, world_size),
-            "timeline": _timeline(rank), "errors": _bad_arguments()}
+            "timeline": _timeline(rank), "errors": _bad_arguments(),
+            "checkpoints": _checkpoints(rank, world_size)}
 
 
 import pytest  # noqa: E402
@@ -299,11 +366,46 @@ def test_bad_input_is_refused_naming_the_argument(ranks):
                 "foreign": (ValueError, "not ddp's module's"),
                 "unhooked_step": (RuntimeError, "register_comm_hook"),
                 "step_before_backward": (RuntimeError, "no gradient was reduce-scattered"),
-                "add_param_group": (RuntimeError, "add_param_group"),
-                "state_dict": (NotImplementedError, "consolidate_state_dict")}
+                "add_param_group": (RuntimeError, "before making the hook"),
+                "unhooked_state_dict": (RuntimeError, "register_comm_hook"),
+                "not_consolidated": (RuntimeError, "consolidate_state_dict"),
+                "whole_tensor_optimizer": (ValueError, "optimizer_class=LBFGS")}
     for name, (kind, words) in expected.items():
         got = errors[name]
         assert got is not None and got[0] == kind.__name__ and words in got[1], (name, got)
+    assert len(errors["unknown_optimizer_warns"]) == 1
+    assert "optimizer_class=Lars" in errors["unknown_optimizer_warns"][0]
+
+
+def _state_dicts_match(a: dict, b: dict, exact: bool) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert list(a["state"]) == list(b["state"])
+    for index, entry in a["state"].items():
+        assert list(entry) == list(b["state"][index]), index
+        for key, value in entry.items():
+            other = b["state"][index][key]
+            assert value.shape == other.shape and value.dtype == other.dtype, (index, key)
+            if exact:
+                assert torch.equal(value, other), (index, key)
+            else:  # gloo's sums in another order (see the weights' test)
+                assert (value - other).abs().max().item() < 1e-6, (index, key)
+
+
+def test_checkpoint_is_the_plain_steps_and_resumes_exactly(ranks):
+    world_size, outs = ranks
+    for case in ("sgd-tied-small", "adamw-groups-small-overlap"):
+        got = outs[0]["checkpoints"][case]
+        assert got["variant"]["state"], case  # something to compare: every parameter's state
+        _state_dicts_match(got["variant"], got["plain"], exact=world_size <= 2)
+        for rank, out in enumerate(outs):  # resumed in a fresh optimizer: as if never stopped
+            assert _equal(out["checkpoints"][case]["resumed"],
+                          out["checkpoints"][case]["uninterrupted"]), (case, rank)
+
+
+def test_a_group_added_before_the_hook_is_sharded_with_the_others(ranks):
+    _, outs = ranks
+    for out in outs:
+        assert _equal(out["checkpoints"]["added_group"], out["checkpoints"]["groups_at_construction"])
 
 
 def test_shard_buckets_and_pieces_by_hand():

@@ -5,6 +5,7 @@ chapter: minidp/sharded/README.md. In order (the first five are plain ZeRO-1):
   partition.py          which rank steps which parameter (torch's sorted-greedy rule), pure
   flat_params.py        parameters_as_bucket_view=True: a rank's shard as views into one buffer
   state_dicts.py        consolidate (gather on one rank), merge to global numbering, load a shard
+                        (whole tensors, or reduce_scatter=True's pieces joined and cut again)
   arguments.py          the constructor's checks, with torch's messages
   overlap.py            overlap_with_ddp=True, beside the class: hook_with_zero_step and its
                         policy StepInBackward (the step inside DDP's backward)

@@ -181,8 +181,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not self.initialized:  # called by Optimizer.__init__ for the constructor's groups
             super().add_param_group(param_group)
             return
-        self._stepping.check_add_param_group()
+        repartition = self._stepping.check_add_param_group()
         super().add_param_group(param_group)
+        if not repartition:
+            return
         self._partition = partition.partition_parameters(self.param_groups, self.world_size)
         self.optim.add_param_group(self._partition[self.rank][-1])
         self._build_buffers()
@@ -215,7 +217,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         to = check_int("to", to, 0, self.world_size - 1)
         self._stepping.check_ready()
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
-        self._all_state_dicts = state_dicts.gather_on(self.optim.state_dict(), to,
+        self._all_state_dicts = state_dicts.gather_on(self._stepping.local_state_dict(self), to,
                                                       self.process_group, self._default_device)
 
     def state_dict(self) -> dict[str, Any]:
@@ -229,8 +231,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise RuntimeError("Optimizer state has not been consolidated on this rank. Please "
                                f"call `consolidate_state_dict(to={self.rank})` on all ranks "
                                "beforehand if you meant to save the global state.")
-        return state_dicts.merge(super().state_dict(), self._all_state_dicts, self._partition,
-                                 self.param_groups)
+        return self._stepping.merge_state_dicts(self, super().state_dict(), self._all_state_dicts)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a consolidated state dict (minidp's or torch's): this rank keeps its shard's.
@@ -243,10 +244,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # The base class checks the groups match (count and sizes) and takes their hyperparameters;
         # it gets no "state": the wrapper keeps none, the local optimizer does.
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        owner = partition.owners(self._partition)
-        loaded = state_dicts.local_state(state_dict["state"], self.param_groups, owner, self.rank)
-        for param, value in loaded.items():
-            self.optim.state[param] = value
+        self._stepping.load_state(self, state_dict["state"])
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
 
     # -- Join (uneven inputs) -------------------------------------------------------------------
@@ -275,17 +273,20 @@ class _StepWhenJoined(JoinHook):
         self.zero.step()
 
 
-class StepAfterBackward:
+class StepAfterBackward(state_dicts.WholeTensorState):
     """Plain ZeRO-1's policy (`zero._stepping`): the partition exists from construction on, and
-    step() steps, after backward. overlap.StepInBackward answers the same three questions for
-    overlap_with_ddp=True, where the step runs inside DDP's backward."""
+    step() steps, after backward. overlap.StepInBackward answers the same questions for
+    overlap_with_ddp=True, where the step runs inside DDP's backward, and
+    reduce_scatter.ReduceScatterStep for reduce_scatter=True. (Checkpoints: WholeTensorState.)"""
 
     def steps_in_step(self) -> bool:
         """Whether step() steps: here always."""
         return True
 
-    def check_add_param_group(self) -> None:
-        """Raise if a parameter group cannot be added: here it always can."""
+    def check_add_param_group(self) -> bool:
+        """Raise if a parameter group cannot be added now, else say whether the wrapper repartitions
+        (reduce_scatter=True before its hook: no, the hook's layout takes every group). Here: yes."""
+        return True
 
     def check_ready(self) -> None:
         """Raise if the partition (and the local optimizer) is not made yet: here it always is."""

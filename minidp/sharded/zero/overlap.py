@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ...engine.collectives import global_rank
 from ...engine.ddp import DistributedDataParallel
-from . import flat_params, partition
+from . import flat_params, partition, state_dicts
 from .bucket_assignment import Assignment, assign_buckets, params_of
 
 STEP_LANE, BROADCAST_LANE = "ZeRO: step (own buckets)", "ZeRO: broadcasts"
@@ -45,7 +45,7 @@ WAITING, RECORDING = "waiting for DDP to rebuild its buckets", "recording the bu
 READY = "ready"
 
 
-class StepInBackward:
+class StepInBackward(state_dicts.WholeTensorState):
     """overlap_with_ddp=True: the policy ZeroRedundancyOptimizer holds (`zero._stepping`), and what
     the hook knows: the buckets, who steps what, and this step's futures.
 

@@ -12,8 +12,13 @@ order, are cut into shard buckets of about `bucket_cap_mb` (whole parameters); e
 live in one flat buffer (parameters are views into it), padded to N equal chunks, and rank r steps
 chunk r of every bucket. A parameter may straddle two ranks: each steps its piece (a view of the
 flat buffer) with the same element-wise arithmetic, so SGD and Adam(W) end bitwise as the plain
-step (an optimizer that reads a whole tensor, as LARS or LAMB, would not). The layout is fixed when
-the hook is made, whatever DDP's buckets do (they are rebuilt after the first step).
+step. An optimizer that reads a whole tensor (LARS's or LAMB's norms, Adafactor's row and column
+factors, L-BFGS) would compute over a piece: torch's optimizers that do are refused, any other
+class is warned about (ELEMENT_WISE). The layout is fixed when the hook is made, whatever DDP's
+buckets do (they are rebuilt after the first step); parameter groups may be added until then.
+Checkpoints: the state of a parameter's pieces is joined into a plain optimizer's on the
+consolidating rank and cut again on load (state_dicts.merge_pieces, split_pieces), so a
+checkpoint moves to and from plain ZeRO-1, torch's ZeroRedundancyOptimizer and other world sizes.
 
 A step:
   backward  the hook copies each DDP bucket's gradients into the shard buckets' flat gradients; a
@@ -27,16 +32,52 @@ A step:
 from __future__ import annotations
 
 import math
+import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ...validate import check_bool, check_number
+from . import state_dicts
 from .overlap import record, timeline_of
 
 # The timeline's lanes (overlap.record): a collective's span ends when the host waits for it (gloo's
 # reduce-scatter and all-gather works have no future to call back from).
 SCATTER_LANE, GATHER_LANE, WAIT_LANE = "ZeRO: reduce-scatter", "ZeRO: all-gather", "ZeRO: waits"
+
+# torch's optimizers whose step is element by element: stepping a piece of a tensor is stepping the
+# tensor. Those that read a whole tensor are refused; any other class (a subclass too: it may
+# override step) gets a warning.
+ELEMENT_WISE = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "ASGD",
+    "Rprop") if hasattr(torch.optim, name))
+WHOLE_TENSOR = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafactor", "SparseAdam")
+                     if hasattr(torch.optim, name))
+
+
+def check_element_wise(optimizer_class) -> None:
+    """Refuse torch's optimizers that read whole tensors; warn about a class not known to be
+    element-wise (LARS, LAMB: a norm over a piece is not the tensor's)."""
+    if issubclass(optimizer_class, WHOLE_TENSOR):
+        raise ValueError(f"reduce_scatter=True steps pieces of parameters; optimizer_class="
+                         f"{optimizer_class.__name__} reads whole tensors: use the plain "
+                         "ZeroRedundancyOptimizer (reduce_scatter=False)")
+    if optimizer_class not in ELEMENT_WISE:  # a subclass may step otherwise (LARS over SGD)
+        warnings.warn(f"reduce_scatter=True steps pieces of parameters (a parameter may straddle two "
+                      f"ranks); optimizer_class={optimizer_class.__name__} is not one of torch's "
+                      "element-wise optimizers: its step must be element-wise (a norm over a whole "
+                      "tensor, as LARS or LAMB take, would be a piece's)", stacklevel=4)
+
+
+class Piece(NamedTuple):
+    """Elements [lo, hi) of a flattened parameter that this rank steps: `weights` is their view of
+    the shard bucket's flat weights (what the local optimizer holds), `grad` of its shard_grad."""
+    param: torch.Tensor
+    weights: torch.Tensor
+    grad: torch.Tensor
+    lo: int
+    hi: int
 
 
 def plan_shard_buckets(sizes: list[int], cap: int) -> list[list[int]]:
@@ -103,10 +144,11 @@ class ReduceScatterStep:
     """
 
     def __init__(self, optimizer_class):
+        check_element_wise(optimizer_class)
         self.optimizer_class = optimizer_class
         self.buckets: list[ShardBucket] = []
         self.where: dict = {}  # parameter -> (shard bucket, slot)
-        self.pieces: list = []  # this rank's: (parameter, its piece of the flat weights, its grad)
+        self.pieces: list[Piece] = []  # this rank's, in its local optimizer's order
         self.pending: list[int] = []  # per shard bucket: gradients still to come this backward
         self.scatters: list = []  # this backward's reduce-scatters, in launch order
         self.gathers: dict[int, object] = {}  # shard bucket -> its all-gather's work, in flight
@@ -131,9 +173,9 @@ class ReduceScatterStep:
             record(timeline, "end", SCATTER_LANE, name)
         self.scatters.clear()
         self.reduced = False
-        for param, piece, grad in self.pieces:
+        for piece in self.pieces:
             # a parameter no rank used keeps .grad None: skipped, as a plain optimizer skips it
-            piece.grad = None if param.grad is None else grad
+            piece.weights.grad = None if piece.param.grad is None else piece.grad
         return True
 
     def share_shards(self, zero) -> None:
@@ -150,11 +192,13 @@ class ReduceScatterStep:
         if not self.pre_hooks:
             self.wait_gathers(range(len(self.buckets)))
 
-    def check_add_param_group(self) -> None:
-        raise RuntimeError("ZeroRedundancyOptimizer with `reduce_scatter=True` does not support "
-                           "add_param_group(): the shard layout is fixed when "
-                           "hook_with_zero_reduce_scatter is made; pass every group at "
-                           "construction")
+    def check_add_param_group(self) -> bool:
+        """Before the hook: the group is taken as it is (the hook's layout takes every group)."""
+        if self.buckets:
+            raise RuntimeError("ZeroRedundancyOptimizer with `reduce_scatter=True` does not support "
+                               "add_param_group() once hook_with_zero_reduce_scatter is made: the "
+                               "shard layout is fixed then; add the group before making the hook")
+        return False
 
     def check_built(self) -> None:
         """Raise unless the hook was made (it makes the layout and the local optimizer)."""
@@ -164,11 +208,25 @@ class ReduceScatterStep:
                                "hook_with_zero_reduce_scatter(model, zero))")
 
     def check_ready(self) -> None:
-        """The checkpoint methods: not built for this mode."""
-        raise NotImplementedError("ZeroRedundancyOptimizer with `reduce_scatter=True`: "
-                                  "consolidate_state_dict, state_dict and load_state_dict are not "
-                                  "built (the state is per piece of a flat bucket); use the plain "
-                                  "ZeroRedundancyOptimizer to checkpoint")
+        """The checkpoint methods need the layout, which the hook makes."""
+        self.check_built()
+
+    # -- checkpoints: a plain optimizer's format, whatever the pieces -----------------------------
+
+    def local_state_dict(self, zero) -> dict:
+        """What this rank sends to the consolidating rank: its pieces, numbered globally, with the
+        local optimizer's state of each."""
+        number = {p: i for i, p in enumerate(p for g in zero.param_groups for p in g["params"])}
+        return {"pieces": [(number[piece.param], piece.lo, piece.hi) for piece in self.pieces],
+                "state": zero.optim.state_dict()["state"]}
+
+    def merge_state_dicts(self, zero, base: dict, gathered: list) -> dict:
+        return state_dicts.merge_pieces(base, gathered, zero.param_groups)
+
+    def load_state(self, zero, state: dict) -> None:
+        pieces = [(piece.param, piece.weights, piece.lo, piece.hi) for piece in self.pieces]
+        for weights, value in state_dicts.split_pieces(state, zero.param_groups, pieces).items():
+            zero.optim.state[weights] = value
 
     # -- the layout, made once by the hook --------------------------------------------------------
 
@@ -205,7 +263,7 @@ class ReduceScatterStep:
                     if rank == self.rank:
                         start = offset + lo - bucket.mine.start
                         grad = bucket.shard_grad[start:start + hi - lo]
-                        self.pieces.append((p, piece, grad))
+                        self.pieces.append(Piece(p, piece, grad, lo, hi))
             for rank in range(self.world_size):
                 shards[rank].append(dict(group, params=per_rank[rank]))
         zero._shard(shards, self.optimizer_class, zero._optim_defaults)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ...engine.collectives import collective_device, global_rank
+from . import partition
 
 
 def copy_to(value: Any, device: torch.device) -> Any:
@@ -128,4 +129,93 @@ def local_state(state: dict, param_groups: list[dict], owner: dict, rank: int) -
         value = copy_to(value, param.device)
         loaded[param] = {k: v.cpu() if torch.is_tensor(v) and v.dim() == 0 else v
                          for k, v in value.items()}
+    return loaded
+
+
+class WholeTensorState:
+    """The checkpoint part of a ZeRO policy whose ranks each step whole tensors (optimizer.py's
+    StepAfterBackward, overlap.py's StepInBackward): ZeroRedundancyOptimizer's consolidate_state_dict,
+    state_dict and load_state_dict ask it what to send, how to merge and what to load."""
+
+    def local_state_dict(self, zero) -> dict:
+        """What this rank sends to the consolidating rank: its local optimizer's state dict."""
+        return zero.optim.state_dict()
+
+    def merge_state_dicts(self, zero, base: dict, gathered: list) -> dict:
+        """The global state dict from every rank's local one (`base`: the wrapper's groups)."""
+        return merge(base, gathered, zero._partition, zero.param_groups)
+
+    def load_state(self, zero, state: dict) -> None:
+        """Give the local optimizer the entries of the parameters this rank steps."""
+        owner = partition.owners(zero._partition)
+        for param, value in local_state(state, zero.param_groups, owner, zero.rank).items():
+            zero.optim.state[param] = value
+
+
+# -- reduce_scatter=True: state kept per piece of a parameter ------------------------------------
+
+def per_element(key: str, value: Any, shape: torch.Size) -> bool:
+    """Whether a state entry has one value per element of a parameter of `shape` (Adam's moments,
+    SGD's momentum) rather than one for the whole tensor (Adam's step). A 0-dim parameter's moments
+    look like a counter: the counter is told by torch's name for it, "step"."""
+    return torch.is_tensor(value) and value.shape == shape and (len(shape) > 0 or key != "step")
+
+
+def merge_pieces(base: dict, gathered: list[dict], param_groups: list[dict]) -> dict:
+    """The global state dict, in a plain optimizer's format, from every rank's pieces.
+
+    Args:
+        base: the wrapper's own state dict (its "param_groups" numbered globally).
+        gathered: per rank, {"pieces": [(global index, lo, hi)] in its local optimizer's order,
+            "state": that optimizer's state dict's "state"}: elements [lo, hi) of the flattened
+            parameter, each with its state.
+        param_groups: the wrapper's groups (the global numbering).
+    Per-element entries are joined in element order and shaped as the parameter; the others
+    (Adam's step) are equal on every piece, as every piece was stepped the same times: the first's.
+    """
+    params = list(chain.from_iterable(g["params"] for g in param_groups))
+    parts: dict[int, list] = {}
+    for sent in gathered:
+        for local_index, (index, lo, hi) in enumerate(sent["pieces"]):
+            if local_index in sent["state"]:
+                parts.setdefault(index, []).append((lo, hi, sent["state"][local_index]))
+    for index, pieces in sorted(parts.items()):
+        pieces.sort(key=lambda piece: piece[0])
+        param = params[index]
+        if [lo for lo, _, _ in pieces] != [0] + [hi for _, hi, _ in pieces[:-1]] or \
+                pieces[-1][1] != param.numel():
+            raise RuntimeError(f"parameter {index}: only some ranks hold optimizer state for its "
+                               "pieces (a piece not stepped on every rank); its state cannot be "
+                               "joined")
+        merged = {}
+        for key, first in pieces[0][2].items():
+            if per_element(key, first, torch.Size([pieces[0][1] - pieces[0][0]])):
+                merged[key] = torch.cat([state[key] for _, _, state in pieces]).view(param.shape)
+            else:
+                merged[key] = first
+        base["state"][index] = merged
+    return base
+
+
+def split_pieces(state: dict, param_groups: list[dict], pieces: list) -> dict:
+    """{piece: its state}: each of this rank's pieces (parameter, its flat piece, lo, hi) gets the
+    elements [lo, hi) of its parameter's per-element entries, on the piece's device, and the
+    others as they are (0-dim tensors on the CPU, as the optimizers keep them)."""
+    params = list(chain.from_iterable(g["params"] for g in param_groups))
+    for index in state:
+        if not 0 <= index < len(params):
+            raise IndexError(f"state_dict['state'] has an entry for parameter {index}, the "
+                             f"optimizer has {len(params)} parameters")
+    number = {p: i for i, p in enumerate(params)}
+    loaded = {}
+    for param, piece, lo, hi in pieces:
+        entry = state.get(number[param])
+        if entry is None:
+            continue
+        loaded[piece] = {
+            key: (copy_to(value.reshape(-1)[lo:hi], piece.device)
+                  if per_element(key, value, param.shape)
+                  else value.detach().cpu().clone() if torch.is_tensor(value) and value.dim() == 0
+                  else copy_to(value, piece.device))
+            for key, value in entry.items()}
     return loaded
