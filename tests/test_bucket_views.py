@@ -13,7 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minidp
 from harness import run_ranks
-from minidp.engine.buckets import Bucket
+from minidp.engine.bucket_kinds import ViewBucket
+from minidp.engine.buckets import Bucket, Divisor
 from training import bitwise_equal, shard_of, snapshot, train
 
 STEPS, SHARD = 4, 2
@@ -27,6 +28,23 @@ def test_views_have_the_parameters_strides():
     assert bucket.views[0].stride() == conv.weight.stride() != conv.weight.contiguous().stride()
     assert bucket.views[2].stride() == (2, 1) and bucket.views[2].shape == odd.shape
     assert [v.data_ptr() - bucket.buffer.data_ptr() for v in bucket.views] == [4 * o for o in bucket.offsets]
+
+
+def test_a_gradient_made_outside_the_view_bucket_is_copied_at_once_not_held():
+    """gradient_as_bucket_view: a small gradient autograd made (after zero_grad's set_to_none) is not
+    held until its bucket's launch (copy_later) but copied in at its hook, so autograd's tensor is
+    freed there, as torch DDP frees it (held, GPT-2's small gradients scattered the heap: more page
+    faults a step, benchmarks/RESULTS.md); one that is the view already waits for the launch's division."""
+    params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))]
+    bucket = ViewBucket(0, [0, 1], params)
+    made = torch.full((3,), 2.0)
+    assert not bucket.holds(0, made)
+    params[0].grad = made
+    bucket.copy_in(0, params[0], made, Divisor(2))
+    assert params[0].grad.data_ptr() == bucket.view_ptrs[0]  # .grad is the view now
+    assert torch.equal(params[0].grad, torch.ones(3))  # times 1/N while copied, as DDP
+    assert bucket.holds(0, params[0].grad)
+    assert Bucket(0, [0, 1], params).holds(0, made)  # without views: .grad keeps it alive anyway
 
 
 class ConvNet(nn.Module):

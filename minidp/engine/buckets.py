@@ -46,6 +46,11 @@ class Bucket:
         else:
             torch.mul(grad, divisor.reciprocal, out=self.views[slot])  # DDP: times 1/N, copying
 
+    def holds(self, slot: int, grad: torch.Tensor) -> bool:
+        """Whether a small gradient may wait for the launch (copy_later) rather than be copied now.
+        Here yes: it lives on as `.grad` anyway, so waiting keeps nothing alive."""
+        return True
+
     def copy_later(self, waiting: list, divisor: Divisor | None) -> None:
         """At launch: copy the small gradients that waited, (slot, grad) pairs, in one batch."""
         views = [self.views[slot] for slot, _ in waiting]

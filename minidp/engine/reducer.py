@@ -122,7 +122,7 @@ class Reducer:
         grad = param.grad
         if grad.is_sparse != bucket.sparse:
             raise RuntimeError(sparse_mismatch(self.names[index], grad.is_sparse))
-        if self.layout.copy_later[index]:
+        if self.layout.copy_later[index] and bucket.holds(slot, grad):
             step.waiting[bucket.index].append((slot, grad))
         else:
             bucket.copy_in(slot, param, grad, step.divisor)
