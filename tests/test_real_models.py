@@ -24,6 +24,7 @@ def test_real_models_quick(tmp_path):
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ratio" in proc.stdout and "held MiB" in proc.stdout and "loadavg before" in proc.stdout
+    assert "ms t/m: forward" in proc.stdout
     result = json.loads(out.read_text())
     assert [r["pair"] for r in result["rows"]] == list(PAIRS)
     for row in result["rows"]:
@@ -35,5 +36,8 @@ def test_real_models_quick(tmp_path):
         assert row["sequence"] == "tmmt", row["sequence"]
         assert row["colls_torch"] > 0 and row["colls_minidp"] > 0 and row["mb_minidp"] > 0
         assert row["held_minidp"] > 0 and row["held_pred"] > 0 and row["peak_pred"] > 0
+        for side in ("torch", "minidp"):  # where the step's time goes: each phase measured
+            phases = row["phases"][side]
+            assert all(phases[p] > 0 for p in ("forward", "backward", "step", "cpu")), phases
     # the same collectives for the same options, whoever issues them
     assert all(r["colls_torch"] == r["colls_minidp"] for r in result["rows"])

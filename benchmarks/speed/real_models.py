@@ -48,11 +48,13 @@ table into FILE's section (the only way this script changes a tracked file).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import gc
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -149,8 +151,11 @@ def batch(name: str, cfg: dict, rank: int, device) -> tuple:
     return x.to(device), y.to(device)
 
 
-def optimizer_of(name: str):
-    """(class, keywords): SGD+momentum for ResNet-50, AdamW for the transformers."""
+def optimizer_of(name: str, choice: str = "default"):
+    """(class, keywords): SGD+momentum for ResNet-50, AdamW for the transformers; choice "sgd":
+    plain SGD for every model (no state: GPT-2's DDP pairs fit 4 ranks in 23 GiB)."""
+    if choice == "sgd":
+        return torch.optim.SGD, {"lr": 1e-3}
     if name == "resnet50":
         return torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}
     return torch.optim.AdamW, {"lr": 1e-4}
@@ -172,7 +177,7 @@ def torch_zero_hook(model, zero):
 def make(pair: str, side: str, name: str, cfg: dict, device, mesh):
     """(model, optimizer, step_in_backward) of one side of a pair, on a fresh seeded model."""
     net = build(name, cfg).to(device)
-    opt_cls, opt_kw = optimizer_of(name)
+    opt_cls, opt_kw = optimizer_of(name, cfg.get("optimizer", "default"))
     ids = {"device_ids": [device.index]} if device.type == "cuda" else {}
     ddp = TorchDDP if side == "torch" else minidp.DDP
     if pair.startswith("ddp"):
@@ -215,6 +220,33 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+PHASES = ("forward", "backward", "step", "cpu", "faults")
+
+
+def timed_step(engine, x, y, device) -> dict:
+    """step(), timed: wall seconds of forward (with zero_grad), backward (with the wait for its
+    collectives) and the optimizer step, the process's CPU seconds (all its threads: the
+    collectives' too; a rank whose wall time rises while its CPU time does not is waiting), and its
+    minor page faults (first touches of memory the allocator got fresh from the OS)."""
+    model, opt, in_backward = engine
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    cpu, start = time.process_time(), time.perf_counter()
+    opt.zero_grad()
+    loss = loss_of(model(x), y)
+    synchronize(device)
+    forward = time.perf_counter()
+    loss.backward()
+    synchronize(device)
+    backward = time.perf_counter()
+    if not in_backward:
+        opt.step()
+    synchronize(device)
+    end = time.perf_counter()
+    return {"wall": end - start, "forward": forward - start, "backward": backward - forward,
+            "step": end - backward, "cpu": time.process_time() - cpu,
+            "faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / 1e3}
+
+
 # ----------------------------------------------------------------------------- what is measured
 def alternate(engines: dict, x, y, cfg: dict, device) -> dict:
     """Per run: each side's step times; the sides take turns every step, the order flipped each step."""
@@ -222,20 +254,25 @@ def alternate(engines: dict, x, y, cfg: dict, device) -> dict:
     for _ in range(cfg["warmup"]):
         for side in SIDES:
             step(engines[side], x, y)
+    phases = {side: {phase: [] for phase in PHASES} for side in SIDES}
     for r in range(cfg["runs"]):
         times = {side: [] for side in SIDES}
         for i in range(cfg["steps"]):
             for side in SIDES if i % 2 == 0 else SIDES[::-1]:
                 dist.barrier()  # ranks meet here: each timed step starts together
                 synchronize(device)
-                start = time.perf_counter()
-                step(engines[side], x, y)
-                synchronize(device)
-                times[side].append(time.perf_counter() - start)
+                took = timed_step(engines[side], x, y, device)
+                times[side].append(took["wall"])
+                for phase in PHASES:
+                    phases[side][phase].append(took[phase])
                 if r == 0:
                     sequence.append(side[0])
         runs.append({side: 1e3 * statistics.median(t) for side, t in times.items()})
-    return {"runs": runs, "sequence": "".join(sequence)}
+    # each phase's median over every timed step (the phases' medians need not add up to the step's);
+    # times in ms, faults a count (timed_step gives thousands, as it gives seconds)
+    medians = {side: {phase: 1e3 * statistics.median(v) for phase, v in per.items()}
+               for side, per in phases.items()}
+    return {"runs": runs, "sequence": "".join(sequence), "phases": medians}
 
 
 def collectives(engine, x, y) -> dict:
@@ -294,9 +331,10 @@ def step_rise(engine, x, y, device) -> float:
     return _status("VmHWM:") - before
 
 
-def predicted(pair: str, name: str, net: nn.Module, n: int) -> dict:
-    """predict_peak for the pair's stage: fp32 weights and gradients; SGD momentum k=4, AdamW k=8."""
-    k = 4 if name == "resnet50" else 8
+def predicted(pair: str, name: str, net: nn.Module, n: int, optimizer: str = "default") -> dict:
+    """predict_peak for the pair's stage: fp32 weights and gradients; SGD momentum k=4, AdamW k=8,
+    plain SGD (--optimizer sgd) k=0."""
+    k = 0 if optimizer == "sgd" else 4 if name == "resnet50" else 8
     if pair.startswith("fsdp"):
         in_blocks = {id(p) for b in blocks(name, net) for p in b.parameters()}
         units = [[p.numel() for p in net.parameters() if id(p) not in in_blocks]]
@@ -327,7 +365,7 @@ def run_pair(pair: str, name: str, cfg: dict, rank: int, device, mesh) -> dict:
     colls = {side: collectives(engines[side], x, y) for side in SIDES}
     held = {side: held_bytes(engines[side]) for side in SIDES}
     rise = {side: step_rise(engines[side], x, y, device) for side in SIDES}
-    pred = predicted(pair, name, build(name, cfg), dist.get_world_size())
+    pred = predicted(pair, name, build(name, cfg), dist.get_world_size(), cfg.get("optimizer", "default"))
     ratios = [r["minidp"] / r["torch"] for r in timing["runs"]]
     mib = 2.0 ** 20
     row = {"model": name, "N": dist.get_world_size(), "pair": pair,
@@ -341,12 +379,23 @@ def run_pair(pair: str, name: str, cfg: dict, rank: int, device, mesh) -> dict:
         row[f"mb_{side}"] = colls[side]["bytes"] / 1e6
         row[f"held_{side}"] = held[side] / mib
         row[f"peak_{side}"] = (held[side] + rise[side]) / mib
-    row.update(runs=timing["runs"], sequence=timing["sequence"], by_op={s: colls[s]["by_op"] for s in SIDES})
+    row.update(runs=timing["runs"], sequence=timing["sequence"], by_op={s: colls[s]["by_op"] for s in SIDES},
+               phases=timing["phases"])
     if cfg.get("profile"):
         row["profile"] = {side: top_ops(engines[side], x, y, device, cfg["profile"]) for side in SIDES}
     del engines
     gc.collect()
+    release_freed_memory()
     return row
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's freed pages back to the OS (glibc keeps them): the next pair's two engines
+    then fit where the last pair's were (4 ranks of ViT-B/16 were OOM-killed at the third pair)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _rank(local_rank, cfg, out_path):
@@ -372,6 +421,7 @@ def _rank(local_rank, cfg, out_path):
                 raise
             if env.rank == 0 and cfg["verbose"]:
                 print(format_row(rows[-1]), flush=True)
+                print(format_phases(rows[-1]), flush=True)
                 for side, table in rows[-1].get("profile", {}).items():
                     print(f"-- {name} {pair} {side}: {cfg['profile']} profiled steps, rank 0\n{table}", flush=True)
     if env.rank == 0:
@@ -395,6 +445,16 @@ def format_row(r: dict) -> str:
             f"{r['held_torch']:6.4g}/{r['held_minidp']:<6.4g}({r['held_pred']:5.4g}) "
             f"{r['peak_torch']:6.4g}/{r['peak_minidp']:<6.4g}({r['peak_pred']:5.4g}) "
             f"{r['load_start']:4.1f}-{r['load_end']:<4.1f}")
+
+
+def format_phases(r: dict) -> str:
+    """The row's phases, rank 0's medians, torch/minidp: where a step's time goes."""
+    if "phases" not in r:
+        return ""
+    ph = r["phases"]
+    return "    ms t/m: " + "  ".join(f"{phase} {ph['torch'][phase]:.1f}/{ph['minidp'][phase]:.1f}"
+                                      for phase in PHASES[:-1]) + \
+        f"  page faults t/m: {ph['torch']['faults'] / 1e3:.1f}/{ph['minidp']['faults'] / 1e3:.1f} thousand"
 
 
 def markdown(rows: list) -> str:
@@ -433,6 +493,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also profile STEPS steps of each engine (torch.profiler, rank 0's table printed)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--optimizer", choices=["default", "sgd"], default="default",
+                   help="default: SGD+momentum (ResNet-50), AdamW (ViT, GPT-2); sgd: plain SGD for all "
+                        "(no optimizer state: two GPT-2 engines in each of 4 ranks fit 23 GiB)")
     p.add_argument("--json", default=os.path.join(ROOT, "runs", "real_models", "real_models.json"))
     p.add_argument("--results-md", default=None, help="write the table into this file's section")
     args = p.parse_args(argv)
@@ -440,6 +503,7 @@ def main(argv=None) -> int:
     pairs = list(args.pairs) + (["ddp_compile"] if args.compile and "ddp_compile" not in args.pairs else [])
     cfg = {"quick": args.quick, "device": args.device, "models": args.models, "pairs": pairs,
            "runs": args.runs, "threads": args.threads, "verbose": True, "profile": args.profile,
+           "optimizer": args.optimizer,
            "steps": args.steps or (2 if args.quick else 5), "warmup": args.warmup or (2 if args.quick else 3),
            "image": args.image or (32 if args.quick else 224 if gpu else 64),
            "seq": args.seq or (16 if args.quick else 1024 if gpu else 64)}
@@ -455,7 +519,8 @@ def main(argv=None) -> int:
           f"{cfg['image']}x{cfg['image']}, vit_b_16 {cfg['batch']['vit_b_16']}x3x"
           f"{32 if args.quick else 224}x{32 if args.quick else 224}, gpt2 {cfg['batch']['gpt2']}x{cfg['seq']} "
           f"tokens (nanoGPT: 12x1024); {cfg['runs']} runs x {cfg['steps']} steps per engine after "
-          f"{cfg['warmup']} warm-up; {args.threads} thread(s) a rank")
+          f"{cfg['warmup']} warm-up; {args.threads} thread(s) a rank"
+          f"{'; plain SGD for every model' if args.optimizer == 'sgd' else ''}")
     print(HEADER, flush=True)
     rows, loads = [], []
     for n in sizes:
