@@ -129,6 +129,26 @@ def test_every_failure_kind_survived_bitwise_equal_to_the_replay(name):
     _, heals, _ = read_record(out)
     report = _check_bitwise(out, policy)
     assert report["steps"] == int(SCENARIOS[name][3])
+    try:
+        _check_the_story(name, out, output, heals)
+    except AssertionError as e:  # pytest.fail: the whole run's story, not pytest's truncated repr
+        pytest.fail(f"{e}\n{_story(out, output)}")
+
+
+def _story(out, output) -> str:
+    """Each replica's rounds (round, step or heal, committed, why) and the launcher's lines."""
+    rows = []
+    for r in range(3):
+        rows.append(f"replica {r}: " + " ".join(
+            f"{e['round']}:{'heal' if e.get('heal') else e['step']}{'' if e.get('committed') else '!'}"
+            for e in _entries(out, r)))
+        rows += [f"  round {e['round']}: {e.get('why')}" for e in _entries(out, r) if e.get("why")]
+    lines = [line for line in output.splitlines() if "[minidp.ft]" in line or "minidp.run" in line]
+    return "\n".join(rows + ["the launcher:"] + lines[-60:])
+
+
+def _check_the_story(name, out, output, heals):
+    """What each injected failure must have done (the bitwise check passed already)."""
     discarded = [e for r in range(3) for e in _entries(out, r) if not e.get("heal") and not e["committed"]]
     whys = " | ".join(e["why"] for e in discarded)
     assert "injected exception" in whys  # exception: the step discarded by every participant, no restart
@@ -141,10 +161,7 @@ def test_every_failure_kind_survived_bitwise_equal_to_the_replay(name):
     assert any(h["replica"] == 1 and h["committed"] > 0 for h in heals)
     hung = [e for e in _entries(out, HUNG[name]) if e.get("heal") and e["committed"] > 0]
     if name == "ddp":  # the hung replica came back after it was left out, and healed
-        # (a failure says what the hung replica did, round by round, and what the launcher printed)
-        assert hung, ([(e["round"], "heal" if e.get("heal") else e["step"], e.get("committed"), e.get("why"))
-                       for e in _entries(out, HUNG[name])], [line for line in output.splitlines()
-                                                             if "[minidp.ft]" in line or "minidp.run" in line])
+        assert hung, "the hung replica never healed with a commit behind it"
         cut = [e for r in (1, 2) for e in _entries(out, r) if e.get("heal") and e["failed"]]
         assert len(cut) == 1 and cut[0]["source"] != 0 and "replica 0: IncompleteRead" in cut[0]["failed"][0], cut
         assert "restarting replica 0 alone (restart 2 of 2)" in output  # the source that died mid-transfer

@@ -6,7 +6,12 @@
 Trains a small MLP through minidp.DDP (a world of one per replica) with ft.AverageGradients, or
 DiLoCo (--policy diloco); an `--inject kind@committed_step:replica` event fires once in the whole
 run (a file in DIR remembers it), mid-step: after forward, before backward, at the named replica's
-first step with at least committed_step steps committed and a peer in the round. Each replica appends
+first step with at least committed_step steps committed and a peer in the round, and (all but killserve,
+which only arms) once the run is whole again: every replica this process has seen in a round is back in
+this one, and nobody heals in it or healed in the one before. So the failures come one at a time: on a
+loaded machine a hang, and in another run the exception, fell in the round where a source killed
+mid-transfer died, and that round's record named the death, not them.
+Each replica appends
 what it did to DIR/replica<id>.jsonl as it goes (a SIGKILL loses nothing written), and its final
 state to DIR/final<id>.pt.
 """
@@ -77,28 +82,41 @@ def arm_kill_while_serving(replica):
 def injector(events, replica, out, ft_replica=None):
     """A function that fires this replica's due event once in the run (mid-step)."""
     fired_path = os.path.join(out, "fired")
+    most = [0]  # the most participants this process has seen in a round
 
-    def fire(committed, participants):
+    def fire(committed, participants, healing=False):
+        most[0] = max(most[0], participants)
         if participants < 2:  # a failure alone in a round would test nothing: keep it for a round with peers
             return
-        fired = open(fired_path).read().split() if os.path.exists(fired_path) else []
-        for e in events:
-            kind, at = e.split("@")
-            step, who = at.split(":")
-            # at this replica's first step at or after `step` with a peer: one that healed past it (left
-            # out of a round on a loaded machine, say) still gets its event
-            if int(who) != replica or committed < int(step) or e in fired:
-                continue
-            with open(fired_path, "a") as f:
-                f.write(e + "\n")
-            if kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif kind == "killserve":  # die mid-transfer the next time a joiner reads this replica's state
-                arm_kill_while_serving(ft_replica)
-            elif kind == "hang":
-                time.sleep(float(os.environ.get("FT_HANG_S", "4")))
-            else:
-                raise RuntimeError(f"injected exception at step {committed} on replica {replica}")
+        # event -> the round it fired in, as the file says (every replica appends to it)
+        fired = dict(line.split() for line in open(fired_path)) if os.path.exists(fired_path) else {}
+        now = ft_replica.last_round if ft_replica is not None else 0
+        e = next((e for e in events if e not in fired), None)  # one at a time, in the order given
+        if e is None:
+            return
+        kind, at = e.split("@")
+        step, who = at.split(":")
+        # at this replica's first step at or after `step` with a peer: one that healed past it (left out
+        # of a round on a loaded machine, say) still gets its event
+        if int(who) != replica or committed < int(step):
+            return
+        # the last failure is not over: its round is this one, someone is missing, or someone heals in
+        # this round or healed in the last (a source killed mid-transfer dies in the round after the
+        # joiner's, as the transfer ends)
+        healed_last = ft_replica is not None and bool((ft_replica.last_quorum or {}).get("heal"))
+        last_round = max((int(r) for r in fired.values()), default=0)
+        if kind != "killserve" and (healing or healed_last or participants < most[0] or now <= last_round):
+            return
+        with open(fired_path, "a") as f:
+            f.write(f"{e} {now}\n")
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "killserve":  # die mid-transfer the next time a joiner reads this replica's state
+            arm_kill_while_serving(ft_replica)
+        elif kind == "hang":
+            time.sleep(float(os.environ.get("FT_HANG_S", "4")))
+        else:
+            raise RuntimeError(f"injected exception at step {committed} on replica {replica}")
     return fire
 
 
@@ -119,8 +137,9 @@ def main():
     fire = injector([e for e in a.inject.split(",") if e], replica.id, a.out, replica)
     while replica.committed < a.steps:
         with replica.step() as r:
-            count = len(r.participants)
-            body(model, policy, stream, r.rank, count, lambda count=count: fire(replica.committed, count))
+            count, healing = len(r.participants), bool(r.q.get("heal"))
+            body(model, policy, stream, r.rank, count,
+                 lambda count=count, healing=healing: fire(replica.committed, count, healing))
             time.sleep(float(os.environ.get("FT_STEP_S", "0")))  # slower steps: a woken replica rejoins
     torch.save({"model": model.state_dict(), "policy": policy.state_dict(), "hash": state_hash(model, policy)},
                os.path.join(a.out, f"final{replica.id}.pt"))
