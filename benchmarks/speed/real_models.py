@@ -207,12 +207,9 @@ def make(pair: str, side: str, name: str, cfg: dict, device, mesh):
 
 
 def step(engine, x, y) -> None:
-    """One training step: zero_grad, forward, backward, step (inside backward for zero_hook)."""
-    model, opt, in_backward = engine
-    opt.zero_grad()
-    loss_of(model(x), y).backward()
-    if not in_backward:
-        opt.step()
+    """One training step, untimed: zero_grad, forward, backward, step (inside backward for zero_hook).
+    timed_step's, without its device syncs."""
+    timed_step(engine, x, y, torch.device("cpu"))
 
 
 def synchronize(device) -> None:
@@ -224,7 +221,7 @@ PHASES = ("forward", "backward", "step", "cpu", "faults")
 
 
 def timed_step(engine, x, y, device) -> dict:
-    """step(), timed: wall seconds of forward (with zero_grad), backward (with the wait for its
+    """One training step, timed: wall seconds of forward (with zero_grad), backward (with the wait for its
     collectives) and the optimizer step, the process's CPU seconds (all its threads: the
     collectives' too; a rank whose wall time rises while its CPU time does not is waiting), and its
     minor page faults (first touches of memory the allocator got fresh from the OS)."""

@@ -117,19 +117,33 @@ def local_state(state: dict, param_groups: list[dict], owner: dict, rank: int) -
     capturable. Raises IndexError naming the index if `state` numbers a parameter that does not
     exist.
     """
-    params = list(chain.from_iterable(g["params"] for g in param_groups))
+    params = numbered_params(state, param_groups)
     loaded = {}
     for index, value in state.items():
-        if not 0 <= index < len(params):
-            raise IndexError(f"state_dict['state'] has an entry for parameter {index}, the "
-                             f"optimizer has {len(params)} parameters")
         param = params[index]
         if owner[param] != rank:
             continue  # another rank's shard: that rank loads it
-        value = copy_to(value, param.device)
-        loaded[param] = {k: v.cpu() if torch.is_tensor(v) and v.dim() == 0 else v
-                         for k, v in value.items()}
+        loaded[param] = {k: to_device(v, param.device) for k, v in value.items()}
     return loaded
+
+
+def numbered_params(state: dict, param_groups: list[dict]) -> list:
+    """The parameters in the global numbering; IndexError naming an index of `state` that numbers a
+    parameter that does not exist."""
+    params = list(chain.from_iterable(g["params"] for g in param_groups))
+    for index in state:
+        if not 0 <= index < len(params):
+            raise IndexError(f"state_dict['state'] has an entry for parameter {index}, the "
+                             f"optimizer has {len(params)} parameters")
+    return params
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """A loaded state entry's copy on `device`; a 0-dim tensor (Adam's "step") on the CPU, where the
+    optimizers keep it unless capturable."""
+    if torch.is_tensor(value) and value.dim() == 0:
+        return value.detach().cpu().clone()
+    return copy_to(value, device)
 
 
 class WholeTensorState:
@@ -201,21 +215,13 @@ def split_pieces(state: dict, param_groups: list[dict], pieces: list) -> dict:
     """{piece: its state}: each of this rank's pieces (parameter, its flat piece, lo, hi) gets the
     elements [lo, hi) of its parameter's per-element entries, on the piece's device, and the
     others as they are (0-dim tensors on the CPU, as the optimizers keep them)."""
-    params = list(chain.from_iterable(g["params"] for g in param_groups))
-    for index in state:
-        if not 0 <= index < len(params):
-            raise IndexError(f"state_dict['state'] has an entry for parameter {index}, the "
-                             f"optimizer has {len(params)} parameters")
-    number = {p: i for i, p in enumerate(params)}
+    number = {p: i for i, p in enumerate(numbered_params(state, param_groups))}
     loaded = {}
     for param, piece, lo, hi in pieces:
         entry = state.get(number[param])
         if entry is None:
             continue
-        loaded[piece] = {
-            key: (copy_to(value.reshape(-1)[lo:hi], piece.device)
-                  if per_element(key, value, param.shape)
-                  else value.detach().cpu().clone() if torch.is_tensor(value) and value.dim() == 0
-                  else copy_to(value, piece.device))
-            for key, value in entry.items()}
+        loaded[piece] = {key: copy_to(value.reshape(-1)[lo:hi], piece.device)
+                         if per_element(key, value, param.shape) else to_device(value, piece.device)
+                         for key, value in entry.items()}
     return loaded
