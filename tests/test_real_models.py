@@ -24,7 +24,7 @@ def test_real_models_quick(tmp_path):
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ratio" in proc.stdout and "held MiB" in proc.stdout and "loadavg before" in proc.stdout
-    assert "ms t/m: forward" in proc.stdout
+    assert "ms t/m: forward" in proc.stdout and "cpu ms by rank t/m:" in proc.stdout
     result = json.loads(out.read_text())
     assert [r["pair"] for r in result["rows"]] == list(PAIRS)
     for row in result["rows"]:
@@ -39,5 +39,34 @@ def test_real_models_quick(tmp_path):
         for side in ("torch", "minidp"):  # where the step's time goes: each phase measured
             phases = row["phases"][side]
             assert all(phases[p] > 0 for p in ("forward", "backward", "step", "cpu")), phases
+            # every rank's CPU a step, gathered to rank 0, whose own is the phases' figure
+            assert len(row["cpu_by_rank"][side]) == 2 and all(c > 0 for c in row["cpu_by_rank"][side])
+            assert row["cpu_by_rank"][side][0] == phases["cpu"]
     # the same collectives for the same options, whoever issues them
     assert all(r["colls_torch"] == r["colls_minidp"] for r in result["rows"])
+    # each column ran its own engine
+    assert all(r["engines"]["minidp"].startswith("minidp.") and r["engines"]["torch"].startswith("torch.")
+               for r in result["rows"]), [r["engines"] for r in result["rows"]]
+
+
+def test_real_models_control_runs_torch_twice(tmp_path):
+    """--control: torch's engine in both columns (the harness's own bias); --minidp-first: build order;
+    --split-backward: each backward's tail after its last gradient, timed."""
+    out = tmp_path / "control.json"
+    cmd = [sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "speed", "real_models.py"), "--quick",
+           "--world-sizes", "2", "--models", "gpt2", "--pairs", "ddp", "--runs", "1", "--steps", "2",
+           "--warmup", "1", "--control", "--minidp-first", "--split-backward", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(MINIDP_START_METHOD="fork"), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "CONTROL" in proc.stdout and "minidp built first" in proc.stdout
+    result = json.loads(out.read_text())
+    row, = result["rows"]
+    torch_ddp = "torch.nn.parallel.distributed.DistributedDataParallel"
+    assert row["engines"]["torch"].startswith(torch_ddp) and row["engines"]["minidp"].startswith(torch_ddp)
+    assert result["config"]["build_order"] == ["minidp", "torch"]
+    assert row["sequence"] == "tmmt"
+    for side in ("torch", "minidp"):
+        phases = row["phases"][side]
+        assert 0 < phases["tail"] < phases["backward"], phases
+    assert "tail" in proc.stdout

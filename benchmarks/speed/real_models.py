@@ -41,6 +41,10 @@ steps outside its parameters, gradients and optimizer (torch DDP's C++ buckets w
 gradient_as_bucket_view=False) are in neither figure (the prediction counts them). torch's profiler
 records no allocations under profile_all_threads, which the collective count needs.
 Load: /proc/loadavg's 1-minute figure when a pair starts and ends.
+Controls: --control puts torch's engine on both sides (the "minidp" column is a second torch engine, built
+second), so its ratio is the harness's own bias on that model and world size; --minidp-first builds
+minidp's engine before torch's (the default builds torch's first). --split-backward times each backward's
+tail, from its last gradient to its end (the wait for the collectives, and the write-back).
 
 The JSON goes to runs/real_models/ (ignored) unless --json says where; --results-md FILE writes the
 table into FILE's section (the only way this script changes a tracked file).
@@ -175,7 +179,9 @@ def torch_zero_hook(model, zero):
 
 
 def make(pair: str, side: str, name: str, cfg: dict, device, mesh):
-    """(model, optimizer, step_in_backward) of one side of a pair, on a fresh seeded model."""
+    """(model, optimizer, step_in_backward) of one side of a pair, on a fresh seeded model.
+    `side` names the table's column; cfg["engine_of"] which engine fills it (--control: torch's in both)."""
+    side = cfg.get("engine_of", {}).get(side, side)
     net = build(name, cfg).to(device)
     opt_cls, opt_kw = optimizer_of(name, cfg.get("optimizer", "default"))
     ids = {"device_ids": [device.index]} if device.type == "cuda" else {}
@@ -217,14 +223,26 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-PHASES = ("forward", "backward", "step", "cpu", "faults")
+PHASES = ("forward", "backward", "tail", "step", "cpu", "faults")
+LAST_GRAD = [0.0]  # when the last gradient of this backward arrived (--split-backward's hooks write it)
+
+
+def mark_gradient_arrivals(model) -> None:
+    """--split-backward: a hook on every parameter notes when its gradient is accumulated, so a step's
+    backward splits into computing (until the last gradient) and its tail (the wait for collectives
+    and their write-back). The hooks are Python on both sides, so both engines pay them alike."""
+    def note(_param):
+        LAST_GRAD[0] = time.perf_counter()
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(note)
 
 
 def timed_step(engine, x, y, device) -> dict:
-    """One training step, timed: wall seconds of forward (with zero_grad), backward (with the wait for its
-    collectives) and the optimizer step, the process's CPU seconds (all its threads: the
-    collectives' too; a rank whose wall time rises while its CPU time does not is waiting), and its
-    minor page faults (first touches of memory the allocator got fresh from the OS)."""
+    """One training step, timed: wall seconds of forward (with zero_grad), backward (with the wait for
+    its collectives; `tail`: its part after the last gradient, with --split-backward, else 0) and the
+    optimizer step, the process's CPU seconds (all its threads: the collectives' too; a rank whose wall
+    time rises while its CPU time does not is waiting), and its minor page faults (first touches of
+    memory the allocator got fresh from the OS)."""
     model, opt, in_backward = engine
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     cpu, start = time.process_time(), time.perf_counter()
@@ -232,14 +250,16 @@ def timed_step(engine, x, y, device) -> dict:
     loss = loss_of(model(x), y)
     synchronize(device)
     forward = time.perf_counter()
+    LAST_GRAD[0] = 0.0
     loss.backward()
     synchronize(device)
     backward = time.perf_counter()
+    tail = backward - LAST_GRAD[0] if LAST_GRAD[0] > forward else 0.0  # 0: not split
     if not in_backward:
         opt.step()
     synchronize(device)
     end = time.perf_counter()
-    return {"wall": end - start, "forward": forward - start, "backward": backward - forward,
+    return {"wall": end - start, "forward": forward - start, "backward": backward - forward, "tail": tail,
             "step": end - backward, "cpu": time.process_time() - cpu,
             "faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / 1e3}
 
@@ -269,7 +289,12 @@ def alternate(engines: dict, x, y, cfg: dict, device) -> dict:
     # times in ms, faults a count (timed_step gives thousands, as it gives seconds)
     medians = {side: {phase: 1e3 * statistics.median(v) for phase, v in per.items()}
                for side, per in phases.items()}
-    return {"runs": runs, "sequence": "".join(sequence), "phases": medians}
+    # every rank's CPU ms a step (rank 0's phases alone cannot tell a rank doing more work from cores
+    # left idle while ranks wait: on a machine with fewer cores than ranks, the two differ)
+    cpu_by_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(cpu_by_rank, {side: medians[side]["cpu"] for side in SIDES})  # ranks meet here
+    return {"runs": runs, "sequence": "".join(sequence), "phases": medians,
+            "cpu_by_rank": {side: [c[side] for c in cpu_by_rank] for side in SIDES}}
 
 
 def collectives(engine, x, y) -> dict:
@@ -357,7 +382,11 @@ def run_pair(pair: str, name: str, cfg: dict, rank: int, device, mesh) -> dict:
     x, y = batch(name, cfg, rank, device)
     with warnings.catch_warnings():  # ZeRO's and FSDP2's notices, once per rank and pair
         warnings.simplefilter("ignore")
-        engines = {side: make(pair, side, name, cfg, device, mesh) for side in SIDES}
+        built = {side: make(pair, side, name, cfg, device, mesh) for side in cfg.get("build_order", SIDES)}
+        engines = {side: built[side] for side in SIDES}
+        if cfg.get("split_backward"):
+            for side in SIDES:
+                mark_gradient_arrivals(engines[side][0])
     timing = alternate(engines, x, y, cfg, device)
     colls = {side: collectives(engines[side], x, y) for side in SIDES}
     held = {side: held_bytes(engines[side]) for side in SIDES}
@@ -376,14 +405,25 @@ def run_pair(pair: str, name: str, cfg: dict, rank: int, device, mesh) -> dict:
         row[f"mb_{side}"] = colls[side]["bytes"] / 1e6
         row[f"held_{side}"] = held[side] / mib
         row[f"peak_{side}"] = (held[side] + rise[side]) / mib
+    row["engines"] = {side: " + ".join(engine_name(part) for part in engines[side][:2]) for side in SIDES}
     row.update(runs=timing["runs"], sequence=timing["sequence"], by_op={s: colls[s]["by_op"] for s in SIDES},
-               phases=timing["phases"])
+               phases=timing["phases"], cpu_by_rank=timing["cpu_by_rank"])
     if cfg.get("profile"):
         row["profile"] = {side: top_ops(engines[side], x, y, device, cfg["profile"]) for side in SIDES}
     del engines
     gc.collect()
     release_freed_memory()
     return row
+
+
+def engine_name(part) -> str:
+    """Whose engine a model or optimizer is: the first class of its MRO from torch.distributed,
+    torch.nn.parallel or minidp (fully_shard's classes are made on the fly above the model's own)."""
+    part = getattr(part, "_orig_mod", part)  # torch.compile's wrapper: the module it compiled
+    for cls in type(part).__mro__:
+        if cls.__module__.startswith(("minidp", "torch.distributed", "torch.nn.parallel")):
+            return f"{cls.__module__}.{cls.__qualname__}"
+    return f"{type(part).__module__}.{type(part).__qualname__}"
 
 
 def release_freed_memory() -> None:
@@ -445,13 +485,15 @@ def format_row(r: dict) -> str:
 
 
 def format_phases(r: dict) -> str:
-    """The row's phases, rank 0's medians, torch/minidp: where a step's time goes."""
+    """The row's phases, rank 0's medians, torch/minidp: where a step's time goes; then every rank's CPU."""
     if "phases" not in r:
         return ""
-    ph = r["phases"]
+    ph, cpu = r["phases"], r["cpu_by_rank"]
+    by_rank = "  ".join(f"{t:.0f}/{m:.0f}" for t, m in zip(cpu["torch"], cpu["minidp"]))
     return "    ms t/m: " + "  ".join(f"{phase} {ph['torch'][phase]:.1f}/{ph['minidp'][phase]:.1f}"
-                                      for phase in PHASES[:-1]) + \
-        f"  page faults t/m: {ph['torch']['faults'] / 1e3:.1f}/{ph['minidp']['faults'] / 1e3:.1f} thousand"
+                                      for phase in PHASES[:-1] if phase != "tail" or ph["torch"]["tail"]) + \
+        f"  page faults t/m: {ph['torch']['faults'] / 1e3:.1f}/{ph['minidp']['faults'] / 1e3:.1f} thousand\n" \
+        f"    cpu ms by rank t/m: {by_rank}  (all ranks {sum(cpu['torch']):.0f}/{sum(cpu['minidp']):.0f})"
 
 
 def markdown(rows: list) -> str:
@@ -493,6 +535,14 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer", choices=["default", "sgd"], default="default",
                    help="default: SGD+momentum (ResNet-50), AdamW (ViT, GPT-2); sgd: plain SGD for all "
                         "(no optimizer state: two GPT-2 engines in each of 4 ranks fit 23 GiB)")
+    p.add_argument("--control", action="store_true",
+                   help="torch's engine on both sides (the minidp column is a second torch engine): the "
+                        "ratio then is the harness's own bias (which engine was built second, memory placement)")
+    p.add_argument("--split-backward", action="store_true",
+                   help="time each backward's tail (from its last gradient to its end: the wait for the "
+                        "collectives) by a Python hook on every parameter, on both sides")
+    p.add_argument("--minidp-first", action="store_true",
+                   help="build minidp's engine before torch's (default: torch's first)")
     p.add_argument("--json", default=os.path.join(ROOT, "runs", "real_models", "real_models.json"))
     p.add_argument("--results-md", default=None, help="write the table into this file's section")
     args = p.parse_args(argv)
@@ -500,7 +550,8 @@ def main(argv=None) -> int:
     pairs = list(args.pairs) + (["ddp_compile"] if args.compile and "ddp_compile" not in args.pairs else [])
     cfg = {"quick": args.quick, "device": args.device, "models": args.models, "pairs": pairs,
            "runs": args.runs, "threads": args.threads, "verbose": True, "profile": args.profile,
-           "optimizer": args.optimizer,
+           "optimizer": args.optimizer, "build_order": SIDES[::-1] if args.minidp_first else SIDES,
+           "engine_of": {"minidp": "torch"} if args.control else {}, "split_backward": args.split_backward,
            "steps": args.steps or (2 if args.quick else 5), "warmup": args.warmup or (2 if args.quick else 3),
            "image": args.image or (32 if args.quick else 224 if gpu else 64),
            "seq": args.seq or (16 if args.quick else 1024 if gpu else 64)}
@@ -517,7 +568,9 @@ def main(argv=None) -> int:
           f"{32 if args.quick else 224}x{32 if args.quick else 224}, gpt2 {cfg['batch']['gpt2']}x{cfg['seq']} "
           f"tokens (nanoGPT: 12x1024); {cfg['runs']} runs x {cfg['steps']} steps per engine after "
           f"{cfg['warmup']} warm-up; {args.threads} thread(s) a rank"
-          f"{'; plain SGD for every model' if args.optimizer == 'sgd' else ''}")
+          f"{'; plain SGD for every model' if args.optimizer == 'sgd' else ''}"
+          f"{'; minidp built first' if args.minidp_first else ''}"
+          f"{'; CONTROL: the minidp column is a second torch engine' if args.control else ''}")
     print(HEADER, flush=True)
     rows, loads = [], []
     for n in sizes:
