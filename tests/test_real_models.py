@@ -70,3 +70,60 @@ def test_real_models_control_runs_torch_twice(tmp_path):
         phases = row["phases"][side]
         assert 0 < phases["tail"] < phases["backward"], phases
     assert "tail" in proc.stdout
+
+
+ABLATE = os.path.join(ROOT, "benchmarks", "speed", "real_models_ablate.py")
+
+# After the switches: the watchdog starts nothing, no gradient counts as small, and a full last bucket
+# launches before the end of backward (a stand-in reducer with one full bucket: held back unpatched).
+CHECK_SWITCHES = """
+import sys, types
+sys.argv = ["x"]
+sys.path.insert(0, {here!r})
+import real_models_ablate as ablate
+for name in {names!r}:
+    ablate.SWITCHES[name]()
+import minidp.engine.layout as layout, minidp.runtime.watchdog as watchdog
+from minidp.engine.reducer import Reducer
+from minidp.engine.step import Step
+bucket = types.SimpleNamespace(index=0, param_indices=[0])
+step = Step([bucket], 1, None)
+step.pending[0] = 0
+fake = types.SimpleNamespace(layout=types.SimpleNamespace(buckets=[bucket]), iteration=1,
+                             recorder=types.SimpleNamespace(launch=lambda *a: None, watch=lambda *a: None),
+                             reduce=lambda b, buf: "future")
+bucket.buffer = None
+Reducer.launch_ready_buckets(fake, step)
+try:
+    started = watchdog.start(None, 0, 2) is None and watchdog.current() is None
+except Exception:  # the real watchdog needs a store
+    started = "raised"
+print(started, layout.SMALL_GRAD_NUMEL > 0, len(step.futures))
+"""
+
+
+def test_ablate_switches_take_effect():
+    here = os.path.join(ROOT, "benchmarks", "speed")
+    on = subprocess.run([sys.executable, "-c", CHECK_SWITCHES.format(here=here, names=[])], cwd=ROOT,
+                        env=clean_env(), capture_output=True, text=True, timeout=120)
+    # unpatched: the watchdog needs a store (None fails), small gradients are batched, the last bucket waits
+    assert on.returncode == 0, on.stderr[-2000:]
+    assert on.stdout.split() == ["raised", "True", "0"], on.stdout
+    off = subprocess.run([sys.executable, "-c", CHECK_SWITCHES.format(
+        here=here, names=["watchdog", "small-batch", "hold-back"])], cwd=ROOT, env=clean_env(),
+        capture_output=True, text=True, timeout=120)
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert off.stdout.split() == ["True", "False", "1"], off.stdout
+
+
+def test_ablate_runs_real_models(tmp_path):
+    out = tmp_path / "ablated.json"
+    cmd = [sys.executable, "-W", "ignore", ABLATE, "--off", "watchdog", "small-batch", "hold-back", "--",
+           "--quick", "--world-sizes", "2", "--models", "gpt2", "--pairs", "ddp", "--runs", "1", "--steps", "2",
+           "--warmup", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "minidp ablated: watchdog small-batch hold-back" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["config"]["note"] == "minidp ablated: watchdog small-batch hold-back"
+    assert result["rows"][0]["engines"]["minidp"].startswith("minidp.")

@@ -543,6 +543,7 @@ def main(argv=None) -> int:
                         "collectives) by a Python hook on every parameter, on both sides")
     p.add_argument("--minidp-first", action="store_true",
                    help="build minidp's engine before torch's (default: torch's first)")
+    p.add_argument("--note", default="", help="a line for the header and the JSON (real_models_ablate.py's)")
     p.add_argument("--json", default=os.path.join(ROOT, "runs", "real_models", "real_models.json"))
     p.add_argument("--results-md", default=None, help="write the table into this file's section")
     args = p.parse_args(argv)
@@ -550,7 +551,7 @@ def main(argv=None) -> int:
     pairs = list(args.pairs) + (["ddp_compile"] if args.compile and "ddp_compile" not in args.pairs else [])
     cfg = {"quick": args.quick, "device": args.device, "models": args.models, "pairs": pairs,
            "runs": args.runs, "threads": args.threads, "verbose": True, "profile": args.profile,
-           "optimizer": args.optimizer, "build_order": SIDES[::-1] if args.minidp_first else SIDES,
+           "optimizer": args.optimizer, "note": args.note, "build_order": SIDES[::-1] if args.minidp_first else SIDES,
            "engine_of": {"minidp": "torch"} if args.control else {}, "split_backward": args.split_backward,
            "steps": args.steps or (2 if args.quick else 5), "warmup": args.warmup or (2 if args.quick else 3),
            "image": args.image or (32 if args.quick else 224 if gpu else 64),
@@ -570,7 +571,8 @@ def main(argv=None) -> int:
           f"{cfg['warmup']} warm-up; {args.threads} thread(s) a rank"
           f"{'; plain SGD for every model' if args.optimizer == 'sgd' else ''}"
           f"{'; minidp built first' if args.minidp_first else ''}"
-          f"{'; CONTROL: the minidp column is a second torch engine' if args.control else ''}")
+          f"{'; CONTROL: the minidp column is a second torch engine' if args.control else ''}"
+          f"{'; ' + args.note if args.note else ''}")
     print(HEADER, flush=True)
     rows, loads = [], []
     for n in sizes:

@@ -1,0 +1,68 @@
+"""real_models.py with one or more of minidp's mechanisms switched off: does that mechanism cause a gap?
+
+    python benchmarks/speed/real_models_ablate.py --off watchdog -- --world-sizes 2 --models resnet50 --pairs ddp
+    python benchmarks/speed/real_models_ablate.py --off small-batch hold-back -- --quick
+
+Everything after `--` goes to real_models.py as it is. The switches (each a patch of minidp, made in this
+process before the ranks are forked, so every rank runs the patched engine; torch's side is untouched):
+  watchdog     minidp.init starts no watchdog thread (runtime/watchdog.py: a daemon thread that publishes
+               each rank's progress to the store, a few times a second while minidp's engine changes it)
+  small-batch  every gradient is copied into its bucket at its hook (engine/layout.py SMALL_GRAD_NUMEL = 0:
+               no small gradient waits for its bucket's launch to be copied in one batch)
+  hold-back    the last bucket is launched at its last gradient's hook, as torch DDP does, not at the end
+               of backward (engine/reducer.py holds it there for the failure protocol: failures.py; with
+               this switch a rank whose backward raises leaves the others waiting; for measuring only)
+The switches are for measuring; results (gradients, weights) do not change with any of them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]
+
+
+def no_watchdog() -> None:
+    import minidp.runtime.watchdog as watchdog
+
+    watchdog.start = lambda *args, **kwargs: None  # runtime/env.py calls watchdog.start(...) at init
+
+
+def no_small_batch() -> None:
+    import minidp.engine.layout as layout
+
+    layout.SMALL_GRAD_NUMEL = 0  # read when a DDP builds its layout
+
+
+def no_hold_back() -> None:
+    from minidp.engine.reducer import Reducer
+
+    launch = Reducer.launch_ready_buckets
+
+    def launch_all_ready(self, step, at_end=False):
+        return launch(self, step, at_end=True)  # at_end: the last bucket too, once it is full
+
+    Reducer.launch_ready_buckets = launch_all_ready
+
+
+SWITCHES = {"watchdog": no_watchdog, "small-batch": no_small_batch, "hold-back": no_hold_back}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ours, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--off", nargs="+", choices=sorted(SWITCHES), required=True, help="mechanisms to switch off")
+    args = p.parse_args(ours)
+    for name in args.off:
+        SWITCHES[name]()
+    print(f"minidp with {', '.join(args.off)} switched off (real_models_ablate.py)", flush=True)
+    import real_models  # after the patches: its ranks are forked from this process
+
+    return real_models.main(rest + ["--note", f"minidp ablated: {' '.join(args.off)}"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
