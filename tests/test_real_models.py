@@ -49,30 +49,31 @@ def test_real_models_quick(tmp_path):
                for r in result["rows"]), [r["engines"] for r in result["rows"]]
 
 
-def test_real_models_control_runs_torch_twice(tmp_path):
-    """--control: torch's engine in both columns (the harness's own bias); --minidp-first: build order;
-    --split-backward: each backward's tail after its last gradient, timed."""
-    out = tmp_path / "control.json"
-    cmd = [sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "speed", "real_models.py"), "--quick",
-           "--world-sizes", "2", "--models", "gpt2", "--pairs", "ddp", "--runs", "1", "--steps", "2",
+ABLATE = os.path.join(ROOT, "benchmarks", "speed", "real_models_ablate.py")
+
+
+def test_real_models_options(tmp_path):
+    """One command for the options (each launch costs seconds): real_models_ablate.py hands what follows
+    `--` to real_models.py with its note; --control: torch's engine in both columns (the harness's own
+    bias); --minidp-first: build order; --split-backward: each backward's tail after its last gradient."""
+    out = tmp_path / "options.json"
+    cmd = [sys.executable, "-W", "ignore", ABLATE, "--off", "watchdog", "small-batch", "hold-back", "--",
+           "--quick", "--world-sizes", "2", "--models", "gpt2", "--pairs", "ddp", "--runs", "1", "--steps", "2",
            "--warmup", "1", "--control", "--minidp-first", "--split-backward", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(MINIDP_START_METHOD="fork"), capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "CONTROL" in proc.stdout and "minidp built first" in proc.stdout
+    assert "CONTROL" in proc.stdout and "minidp built first" in proc.stdout and "tail" in proc.stdout
+    assert "minidp ablated: watchdog small-batch hold-back" in proc.stdout
     result = json.loads(out.read_text())
+    assert result["config"]["note"] == "minidp ablated: watchdog small-batch hold-back"
+    assert result["config"]["build_order"] == ["minidp", "torch"]
     row, = result["rows"]
     torch_ddp = "torch.nn.parallel.distributed.DistributedDataParallel"
     assert row["engines"]["torch"].startswith(torch_ddp) and row["engines"]["minidp"].startswith(torch_ddp)
-    assert result["config"]["build_order"] == ["minidp", "torch"]
     assert row["sequence"] == "tmmt"
     for side in ("torch", "minidp"):
         phases = row["phases"][side]
         assert 0 < phases["tail"] < phases["backward"], phases
-    assert "tail" in proc.stdout
-
-
-ABLATE = os.path.join(ROOT, "benchmarks", "speed", "real_models_ablate.py")
 
 # After the switches: the watchdog starts nothing, no gradient counts as small, and a full last bucket
 # launches before the end of backward (a stand-in reducer with one full bucket: held back unpatched).
@@ -114,16 +115,3 @@ def test_ablate_switches_take_effect():
         capture_output=True, text=True, timeout=120)
     assert off.returncode == 0, off.stderr[-2000:]
     assert off.stdout.split() == ["True", "False", "1"], off.stdout
-
-
-def test_ablate_runs_real_models(tmp_path):
-    out = tmp_path / "ablated.json"
-    cmd = [sys.executable, "-W", "ignore", ABLATE, "--off", "watchdog", "small-batch", "hold-back", "--",
-           "--quick", "--world-sizes", "2", "--models", "gpt2", "--pairs", "ddp", "--runs", "1", "--steps", "2",
-           "--warmup", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "minidp ablated: watchdog small-batch hold-back" in proc.stdout
-    result = json.loads(out.read_text())
-    assert result["config"]["note"] == "minidp ablated: watchdog small-batch hold-back"
-    assert result["rows"][0]["engines"]["minidp"].startswith("minidp.")
