@@ -1,31 +1,95 @@
-"""Smoke test of benchmarks/speed/real_models.py --quick: a real command, 2 forked ranks, tiny GPT-2.
+"""Smoke tests of benchmarks/speed/real_models.py --quick and its options: real commands, 2 forked ranks, tiny GPT-2.
 
 No timing assertions (speed lives in benchmarks/RESULTS.md): the table's columns are there, every pair ran
-both engines, and they took turns every step (the order flipped each step).
+both engines, and they took turns every step (the order flipped each step). The three commands start
+together (each is seconds of importing torch on one core; the suite's time).
 """
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
 from processes import clean_env  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEED = os.path.join(ROOT, "benchmarks", "speed")
 PAIRS = ("ddp_static", "fsdp")  # a DDP pair and a sharded one (the suite's time: each pair is seconds)
+OFF = ("watchdog", "small-batch", "hold-back")
+QUICK = ["--quick", "--world-sizes", "2", "--models", "gpt2", "--warmup", "1"]
+
+# The ablation switches, checked in one process: first unpatched, then after the switches. After them the
+# watchdog starts nothing, no gradient counts as small, and a full last bucket launches before the end of
+# backward (a stand-in reducer with one full bucket: held back unpatched).
+CHECK_SWITCHES = """
+import sys, types
+sys.argv = ["x"]
+sys.path.insert(0, {here!r})
+import real_models_ablate as ablate
+import minidp.engine.layout as layout, minidp.runtime.watchdog as watchdog
+from minidp.engine.reducer import Reducer
+from minidp.engine.step import Step
+
+def state():
+    bucket = types.SimpleNamespace(index=0, param_indices=[0], buffer=None)
+    step = Step([bucket], 1, None)
+    step.pending[0] = 0
+    fake = types.SimpleNamespace(layout=types.SimpleNamespace(buckets=[bucket]), iteration=1,
+                                 recorder=types.SimpleNamespace(launch=lambda *a: None, watch=lambda *a: None),
+                                 reduce=lambda b, buf: "future")
+    Reducer.launch_ready_buckets(fake, step)
+    try:
+        started = watchdog.start(None, 0, 2) is None and watchdog.current() is None
+    except Exception:  # the real watchdog needs a store
+        started = "raised"
+    print(started, layout.SMALL_GRAD_NUMEL > 0, len(step.futures))
+
+state()
+for name in {names!r}:
+    ablate.SWITCHES[name]()
+state()
+"""
 
 
-def test_real_models_quick(tmp_path):
-    out = tmp_path / "real_models.json"
-    cmd = [sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "speed", "real_models.py"), "--quick",
-           "--world-sizes", "2", "--models", "gpt2", "--pairs", *PAIRS, "--runs", "2", "--steps", "2",
-           "--warmup", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(MINIDP_START_METHOD="fork"), capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "ratio" in proc.stdout and "held MiB" in proc.stdout and "loadavg before" in proc.stdout
-    assert "ms t/m: forward" in proc.stdout and "cpu ms by rank t/m:" in proc.stdout
-    result = json.loads(out.read_text())
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """Start the three commands at once; each test waits for its own."""
+    tmp = tmp_path_factory.mktemp("real_models")
+    argv = {
+        "quick": [os.path.join(SPEED, "real_models.py"), *QUICK, "--pairs", *PAIRS, "--runs", "2", "--steps", "2"],
+        # real_models_ablate.py hands what follows `--` to real_models.py with its note; --control: torch's
+        # engine in both columns (the harness's own bias); --minidp-first: the build order; --split-backward:
+        # each backward's tail after its last gradient
+        "options": [os.path.join(SPEED, "real_models_ablate.py"), "--off", *OFF, "--", *QUICK, "--pairs", "ddp",
+                    "--runs", "1", "--steps", "2", "--control", "--minidp-first", "--split-backward"],
+        "switches": ["-c", CHECK_SWITCHES.format(here=SPEED, names=list(OFF))],
+    }
+    started = {}
+    for name, args in argv.items():
+        json_args = [] if name == "switches" else ["--json", str(tmp / f"{name}.json")]
+        started[name] = (subprocess.Popen([sys.executable, "-W", "ignore", *args, *json_args], cwd=ROOT,
+                                          env=clean_env(MINIDP_START_METHOD="fork"), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True), tmp / f"{name}.json")
+    yield started
+    for proc, _ in started.values():
+        if proc.poll() is None:
+            proc.kill()
+
+
+def finished(commands, name):
+    """(stdout, the JSON it wrote or None) of a command that exited 0."""
+    proc, path = commands[name]
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    return out, json.loads(path.read_text()) if path.exists() else None
+
+
+def test_real_models_quick(commands):
+    stdout, result = finished(commands, "quick")
+    assert "ratio" in stdout and "held MiB" in stdout and "loadavg before" in stdout
+    assert "ms t/m: forward" in stdout and "cpu ms by rank t/m:" in stdout
     assert [r["pair"] for r in result["rows"]] == list(PAIRS)
     for row in result["rows"]:
         assert set(result["columns"]) <= set(row), row
@@ -49,22 +113,11 @@ def test_real_models_quick(tmp_path):
                for r in result["rows"]), [r["engines"] for r in result["rows"]]
 
 
-ABLATE = os.path.join(ROOT, "benchmarks", "speed", "real_models_ablate.py")
-
-
-def test_real_models_options(tmp_path):
-    """One command for the options (each launch costs seconds): real_models_ablate.py hands what follows
-    `--` to real_models.py with its note; --control: torch's engine in both columns (the harness's own
-    bias); --minidp-first: build order; --split-backward: each backward's tail after its last gradient."""
-    out = tmp_path / "options.json"
-    cmd = [sys.executable, "-W", "ignore", ABLATE, "--off", "watchdog", "small-batch", "hold-back", "--",
-           "--quick", "--world-sizes", "2", "--models", "gpt2", "--pairs", "ddp", "--runs", "1", "--steps", "2",
-           "--warmup", "1", "--control", "--minidp-first", "--split-backward", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "CONTROL" in proc.stdout and "minidp built first" in proc.stdout and "tail" in proc.stdout
-    assert "minidp ablated: watchdog small-batch hold-back" in proc.stdout
-    result = json.loads(out.read_text())
+def test_real_models_options(commands):
+    """The options, in one command (each launch costs seconds)."""
+    stdout, result = finished(commands, "options")
+    assert "CONTROL" in stdout and "minidp built first" in stdout and "tail" in stdout
+    assert "minidp ablated: watchdog small-batch hold-back" in stdout
     assert result["config"]["note"] == "minidp ablated: watchdog small-batch hold-back"
     assert result["config"]["build_order"] == ["minidp", "torch"]
     row, = result["rows"]
@@ -75,43 +128,10 @@ def test_real_models_options(tmp_path):
         phases = row["phases"][side]
         assert 0 < phases["tail"] < phases["backward"], phases
 
-# After the switches: the watchdog starts nothing, no gradient counts as small, and a full last bucket
-# launches before the end of backward (a stand-in reducer with one full bucket: held back unpatched).
-CHECK_SWITCHES = """
-import sys, types
-sys.argv = ["x"]
-sys.path.insert(0, {here!r})
-import real_models_ablate as ablate
-for name in {names!r}:
-    ablate.SWITCHES[name]()
-import minidp.engine.layout as layout, minidp.runtime.watchdog as watchdog
-from minidp.engine.reducer import Reducer
-from minidp.engine.step import Step
-bucket = types.SimpleNamespace(index=0, param_indices=[0])
-step = Step([bucket], 1, None)
-step.pending[0] = 0
-fake = types.SimpleNamespace(layout=types.SimpleNamespace(buckets=[bucket]), iteration=1,
-                             recorder=types.SimpleNamespace(launch=lambda *a: None, watch=lambda *a: None),
-                             reduce=lambda b, buf: "future")
-bucket.buffer = None
-Reducer.launch_ready_buckets(fake, step)
-try:
-    started = watchdog.start(None, 0, 2) is None and watchdog.current() is None
-except Exception:  # the real watchdog needs a store
-    started = "raised"
-print(started, layout.SMALL_GRAD_NUMEL > 0, len(step.futures))
-"""
 
-
-def test_ablate_switches_take_effect():
-    here = os.path.join(ROOT, "benchmarks", "speed")
-    on = subprocess.run([sys.executable, "-c", CHECK_SWITCHES.format(here=here, names=[])], cwd=ROOT,
-                        env=clean_env(), capture_output=True, text=True, timeout=120)
+def test_ablate_switches_take_effect(commands):
+    stdout, _ = finished(commands, "switches")
+    unpatched, patched = stdout.split("\n")[:2]
     # unpatched: the watchdog needs a store (None fails), small gradients are batched, the last bucket waits
-    assert on.returncode == 0, on.stderr[-2000:]
-    assert on.stdout.split() == ["raised", "True", "0"], on.stdout
-    off = subprocess.run([sys.executable, "-c", CHECK_SWITCHES.format(
-        here=here, names=["watchdog", "small-batch", "hold-back"])], cwd=ROOT, env=clean_env(),
-        capture_output=True, text=True, timeout=120)
-    assert off.returncode == 0, off.stderr[-2000:]
-    assert off.stdout.split() == ["True", "False", "1"], off.stdout
+    assert unpatched.split() == ["raised", "True", "0"], stdout
+    assert patched.split() == ["True", "False", "1"], stdout
