@@ -4,7 +4,8 @@
     python benchmarks/speed/real_models_ablate.py --off small-batch hold-back -- --quick
 
 Everything after `--` goes to real_models.py as it is. The switches (each a patch of minidp, made in this
-process before the ranks are forked, so every rank runs the patched engine; torch's side is untouched):
+process before the ranks are forked, so every rank runs the patched engine, and undone after the run;
+torch's side is untouched):
   watchdog     minidp.init starts no watchdog thread (runtime/watchdog.py: a daemon thread that publishes
                each rank's progress to the store, a few times a second while minidp's engine changes it)
   small-batch  every gradient is copied into its bucket at its hook (engine/layout.py SMALL_GRAD_NUMEL = 0:
@@ -17,26 +18,29 @@ The switches are for measuring; results (gradients, weights) do not change with 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]
 
 
-def no_watchdog() -> None:
+def no_watchdog():
     import minidp.runtime.watchdog as watchdog
 
-    watchdog.start = lambda *args, **kwargs: None  # runtime/env.py calls watchdog.start(...) at init
+    # runtime/env.py calls watchdog.start(...) at init
+    return mock.patch.object(watchdog, "start", lambda *args, **kwargs: None)
 
 
-def no_small_batch() -> None:
+def no_small_batch():
     import minidp.engine.layout as layout
 
-    layout.SMALL_GRAD_NUMEL = 0  # read when a DDP builds its layout
+    return mock.patch.object(layout, "SMALL_GRAD_NUMEL", 0)  # read when a DDP builds its layout
 
 
-def no_hold_back() -> None:
+def no_hold_back():
     from minidp.engine.reducer import Reducer
 
     launch = Reducer.launch_ready_buckets
@@ -44,10 +48,20 @@ def no_hold_back() -> None:
     def launch_all_ready(self, step, at_end=False):
         return launch(self, step, at_end=True)  # at_end: the last bucket too, once it is full
 
-    Reducer.launch_ready_buckets = launch_all_ready
+    return mock.patch.object(Reducer, "launch_ready_buckets", launch_all_ready)
 
 
 SWITCHES = {"watchdog": no_watchdog, "small-batch": no_small_batch, "hold-back": no_hold_back}
+
+
+@contextlib.contextmanager
+def switched_off(names):
+    """Inside the block, minidp runs with the named mechanisms off (ranks forked inside it too);
+    after it, as before."""
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(SWITCHES[name]())
+        yield
 
 
 def main(argv=None) -> int:
@@ -56,12 +70,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--off", nargs="+", choices=sorted(SWITCHES), required=True, help="mechanisms to switch off")
     args = p.parse_args(ours)
-    for name in args.off:
-        SWITCHES[name]()
-    print(f"minidp with {', '.join(args.off)} switched off (real_models_ablate.py)", flush=True)
-    import real_models  # after the patches: its ranks are forked from this process
+    import real_models  # its ranks are forked (rank_memory.launch_json), so they run what is patched here
 
-    return real_models.main(rest + ["--note", f"minidp ablated: {' '.join(args.off)}"])
+    print(f"minidp with {', '.join(args.off)} switched off (real_models_ablate.py)", flush=True)
+    with switched_off(args.off):
+        return real_models.main(rest + ["--note", f"minidp ablated: {' '.join(args.off)}"])
 
 
 if __name__ == "__main__":
