@@ -9,6 +9,12 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the ranks forked, not spawned: each spawned rank imports torch again (seconds on this 2-core machine);
+# what is tested is what the scripts measure and write (the spawn path runs in test_readme.py, test_launch.py)
+sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
+from processes import clean_env  # noqa: E402
+
+FORKED = clean_env(MINIDP_START_METHOD="fork")
 
 
 def test_fully_shard_memory_benchmark_quick(tmp_path):
@@ -34,7 +40,8 @@ def test_fully_shard_memory_benchmark_quick(tmp_path):
 def test_fully_shard_timeline_quick(tmp_path):
     """benchmarks/overlap/fsdp_timeline.py --quick: a PNG, and a trace with both collectives' lanes on each rank."""
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "overlap", "fsdp_timeline.py"), "--quick",
-                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=FORKED)
     assert out.returncode == 0, out.stderr[-3000:]
     stem = tmp_path / "results" / "fsdp_timeline_cpu"
     assert (stem.with_suffix(".png")).stat().st_size > 0
