@@ -230,7 +230,10 @@ LAST_GRAD = [0.0]  # when the last gradient of this backward arrived (--split-ba
 def mark_gradient_arrivals(model) -> None:
     """--split-backward: a hook on every parameter notes when its gradient is accumulated, so a step's
     backward splits into computing (until the last gradient) and its tail (the wait for collectives
-    and their write-back). The hooks are Python on both sides, so both engines pay them alike."""
+    and their write-back). The hooks are Python on both sides, so both engines pay them alike. Where
+    each runs: for torch DDP before its reducer's hook (a C++ hook on the accumulator node, after the
+    tensor's), for minidp after its own (registered first), so torch's tail holds its last gradient's
+    copy into the bucket and minidp's does not: the split flatters minidp's tail by that copy."""
     def note(_param):
         LAST_GRAD[0] = time.perf_counter()
     for param in model.parameters():
