@@ -61,24 +61,35 @@ def test_real_models_quick(tmp_path, capfd):
                for r in result["rows"]), [r["engines"] for r in result["rows"]]
 
 
-def test_real_models_options(tmp_path, capfd):
-    """The options, in one run (each costs seconds): real_models_ablate.py hands what follows `--` to
-    real_models.py with its note; --control: torch's engine in both columns (the harness's own bias);
-    --minidp-first: the build order; --split-backward: each backward's tail after its last gradient."""
-    argv = ["--off", *OFF, "--", *QUICK, "--pairs", "ddp", "--runs", "1", "--steps", "2", "--control",
-            "--minidp-first", "--split-backward"]
-    stdout, result = run(real_models_ablate.main, argv, tmp_path, capfd, "options")
-    assert "CONTROL" in stdout and "minidp built first" in stdout and "tail" in stdout
+def test_real_models_ablated(tmp_path, capfd):
+    """real_models_ablate.py hands what follows `--` to real_models.py with its note, and minidp's engine
+    really runs with the switches off; --minidp-first: the build order; --split-backward: each backward's
+    tail after its last gradient."""
+    argv = ["--off", *OFF, "--", *QUICK, "--pairs", "ddp", "--runs", "1", "--steps", "2", "--minidp-first",
+            "--split-backward"]
+    stdout, result = run(real_models_ablate.main, argv, tmp_path, capfd, "ablated")
+    assert "minidp built first" in stdout and "tail" in stdout
     assert "minidp ablated: watchdog small-batch hold-back" in stdout
     assert result["config"]["note"] == "minidp ablated: watchdog small-batch hold-back"
     assert result["config"]["build_order"] == ["minidp", "torch"]
     row, = result["rows"]
-    torch_ddp = "torch.nn.parallel.distributed.DistributedDataParallel"
-    assert row["engines"]["torch"].startswith(torch_ddp) and row["engines"]["minidp"].startswith(torch_ddp)
-    assert row["sequence"] == "tmmt"
+    assert row["engines"]["minidp"].startswith("minidp.") and row["sequence"] == "tmmt"
+    assert row["colls_minidp"] == row["colls_torch"]  # the same collectives with the switches off
     for side in ("torch", "minidp"):
         phases = row["phases"][side]
         assert 0 < phases["tail"] < phases["backward"], phases
+    assert _switchable_state() == (True, True, False)  # undone after the run
+
+
+def test_real_models_control(tmp_path, capfd):
+    """--control: torch's engine in both columns (the harness's own bias)."""
+    argv = [*QUICK, "--pairs", "ddp", "--runs", "1", "--steps", "2", "--control"]
+    stdout, result = run(real_models.main, argv, tmp_path, capfd, "control")
+    assert "CONTROL" in stdout
+    row, = result["rows"]
+    torch_ddp = "torch.nn.parallel.distributed.DistributedDataParallel"
+    assert row["engines"]["torch"].startswith(torch_ddp) and row["engines"]["minidp"].startswith(torch_ddp)
+    assert row["sequence"] == "tmmt"
 
 
 def _switchable_state():
