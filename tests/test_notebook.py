@@ -20,11 +20,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "examples", "walkthrough.ipynb")
 
 # Run as `python -`: the parent uses torch's thread pool first (a forked child
-# must not hang on it), registers an atexit handler (the children must not run it), and launches
-# twice: a good run, then one where rank 1 fails.
+# must not hang on it), registers an atexit handler (the children must not run it), holds 200,000
+# objects (a child's garbage collector must not walk them: frozen), and launches twice: a good run,
+# then one where rank 1 fails.
 SCRIPT = """
-import atexit, os, sys, torch, minidp
+import atexit, gc, os, sys, torch, minidp
 log = sys.argv[1]
+held = [[] for _ in range(200_000)]
 atexit.register(lambda: open(log, "a").write(f"atexit {os.getpid()}\\n"))
 torch.set_num_threads(2)
 torch.tanh(torch.randn(4_000_000)) @ torch.ones(4_000_000)
@@ -33,7 +35,8 @@ def train(local_rank, log):
     env = minidp.init(timeout=30)
     t = torch.tanh(torch.full((1_000_000,), float(env.rank + 1))).sum().reshape(1)
     torch.distributed.all_reduce(t)
-    open(log, "a").write(f"rank {env.rank} sum {t.item():.0f} threads {torch.get_num_threads()}\\n")
+    open(log, "a").write(f"rank {env.rank} frozen {gc.get_freeze_count()} "
+                         f"sum {t.item():.0f} threads {torch.get_num_threads()}\\n")
     minidp.shutdown()
 
 def fail(local_rank):
@@ -56,7 +59,8 @@ def test_launch_from_stdin(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = open(log).read().splitlines()
     ranks = sorted(line.rsplit(" threads", 1)[0] for line in lines if line.startswith("rank"))
-    assert len(ranks) == 2 and ranks[0].startswith("rank 0 sum ") and ranks[1].startswith("rank 1 sum ")
+    assert len(ranks) == 2 and ranks[0].startswith("rank 0 frozen ") and ranks[1].startswith("rank 1 frozen ")
+    assert all(int(line.split()[3]) >= 200_000 for line in ranks), ranks  # the parent's objects, frozen
     assert ranks[0].split()[-1] == ranks[1].split()[-1]  # the all-reduce happened
     assert all(line.endswith("threads 1") for line in lines if line.startswith("rank"))
     assert "failed rank 1 True" in lines

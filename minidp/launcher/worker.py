@@ -85,17 +85,25 @@ def exit_now(code: int) -> None:
 
 
 def _after_fork() -> None:
-    """Make a forked worker safe: drop the parent's exit handlers, one torch thread.
+    """Make a forked worker safe and light: drop the parent's exit handlers, freeze the parent's
+    objects for the garbage collector, one torch thread.
 
     Why: the parent's atexit handlers (IPython's history database, its temp files) are not the
-    worker's to run. And GNU OpenMP's thread pool does not survive a fork: once the parent has run a
-    parallel torch op, the child's next one waits forever for threads that do not exist in it, unless
-    the child uses one thread (as torch's DataLoader workers do; torchrun's default too). So a forked
-    worker must not raise torch.set_num_threads() if this process has run parallel torch ops.
+    worker's to run. The parent's objects stay alive in the worker, and the garbage collector would
+    walk all of them in each full collection, writing to each one's header: a copy-on-write copy of
+    every page that holds one, and seconds of work a collection when the parent holds millions (a test
+    session, a notebook). gc.freeze() takes them out of its walks (CPython's advice for fork without
+    exec); they are still freed by reference counting, only a cycle among them is never collected.
+    And GNU OpenMP's thread pool does not survive a fork: once the parent has run a parallel torch op,
+    the child's next one waits forever for threads that do not exist in it, unless the child uses one
+    thread (as torch's DataLoader workers do; torchrun's default too). So a forked worker must not
+    raise torch.set_num_threads() if this process has run parallel torch ops.
     """
     import atexit
+    import gc
 
     atexit._clear()
+    gc.freeze()  # O(1): moves every tracked object to the permanent generation
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(1)
