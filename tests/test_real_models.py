@@ -5,6 +5,7 @@ both engines, and they took turns every step (the order flipped each step). The 
 main() in this process, their ranks forked from it (they always fork: rank_memory.launch_json), as
 test_benchmarks.py runs compare_ddp.py: the same jobs and files without importing torch again.
 """
+import gc
 import json
 import os
 import sys
@@ -51,6 +52,7 @@ def test_real_models_quick(tmp_path, capfd):
         for side in ("torch", "minidp"):  # where the step's time goes: each phase measured
             phases = row["phases"][side]
             assert all(phases[p] > 0 for p in ("forward", "backward", "step", "cpu")), phases
+            assert 0 <= phases["gc"] < phases["cpu"] + phases["forward"] + phases["backward"], phases
             # every rank's CPU a step, gathered to rank 0, whose own is the phases' figure
             assert len(row["cpu_by_rank"][side]) == 2 and all(c > 0 for c in row["cpu_by_rank"][side])
             assert row["cpu_by_rank"][side][0] == phases["cpu"]
@@ -59,6 +61,22 @@ def test_real_models_quick(tmp_path, capfd):
     # each column ran its own engine
     assert all(r["engines"]["minidp"].startswith("minidp.") and r["engines"]["torch"].startswith("torch.")
                for r in result["rows"]), [r["engines"] for r in result["rows"]]
+
+
+def test_the_collectors_time_is_counted():
+    """The `gc` phase: gc.callbacks' hook adds each collection's wall time (a step's share is the
+    difference of the total across it)."""
+    before = real_models.IN_GC["total"]
+    gc.callbacks.append(real_models.time_the_collector)
+    try:
+        garbage = [[] for _ in range(100_000)]
+        for a, b in zip(garbage, garbage[1:]):  # cycles: only the collector frees them
+            a.append(b), b.append(a)
+        del garbage, a, b
+        assert gc.collect() > 0
+    finally:
+        gc.callbacks.remove(real_models.time_the_collector)
+    assert real_models.IN_GC["total"] > before
 
 
 def test_real_models_ablated(tmp_path, capfd):

@@ -223,8 +223,19 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-PHASES = ("forward", "backward", "tail", "step", "cpu", "faults")
+PHASES = ("forward", "backward", "tail", "step", "gc", "cpu", "faults")
 LAST_GRAD = [0.0]  # when the last gradient of this backward arrived (--split-backward's hooks write it)
+IN_GC = {"since": 0.0, "total": 0.0}  # seconds this process has spent in Python's garbage collector
+
+
+def time_the_collector(phase: str, _info: dict) -> None:
+    """gc.callbacks' hook: add each collection's wall time to IN_GC. A Python engine makes objects in
+    every step (a C++ one does not), and each few hundred of them set off a collection, which may walk
+    every object of the process: time that belongs to no phase of either engine in particular."""
+    if phase == "start":
+        IN_GC["since"] = time.perf_counter()
+    else:
+        IN_GC["total"] += time.perf_counter() - IN_GC["since"]
 
 
 def mark_gradient_arrivals(model) -> None:
@@ -243,12 +254,13 @@ def mark_gradient_arrivals(model) -> None:
 def timed_step(engine, x, y, device) -> dict:
     """One training step, timed: wall seconds of forward (with zero_grad), backward (with the wait for
     its collectives; `tail`: its part after the last gradient, with --split-backward, else 0) and the
-    optimizer step, the process's CPU seconds (all its threads: the collectives' too; a rank whose wall
-    time rises while its CPU time does not is waiting), and its minor page faults (first touches of
+    optimizer step, the seconds of it spent in Python's garbage collector (in any phase), the process's CPU
+    seconds (all its threads: the collectives' too; a rank whose wall time rises while its CPU time does
+    not is waiting), and its minor page faults (first touches of
     memory the allocator got fresh from the OS)."""
     model, opt, in_backward = engine
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    cpu, start = time.process_time(), time.perf_counter()
+    cpu, in_gc, start = time.process_time(), IN_GC["total"], time.perf_counter()
     opt.zero_grad()
     loss = loss_of(model(x), y)
     synchronize(device)
@@ -263,7 +275,7 @@ def timed_step(engine, x, y, device) -> dict:
     synchronize(device)
     end = time.perf_counter()
     return {"wall": end - start, "forward": forward - start, "backward": backward - forward, "tail": tail,
-            "step": end - backward, "cpu": time.process_time() - cpu,
+            "step": end - backward, "gc": IN_GC["total"] - in_gc, "cpu": time.process_time() - cpu,
             "faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / 1e3}
 
 
@@ -288,10 +300,11 @@ def alternate(engines: dict, x, y, cfg: dict, device) -> dict:
                 if r == 0:
                     sequence.append(side[0])
         runs.append({side: 1e3 * statistics.median(t) for side, t in times.items()})
-    # each phase's median over every timed step (the phases' medians need not add up to the step's);
-    # times in ms, faults a count (timed_step gives thousands, as it gives seconds)
-    medians = {side: {phase: 1e3 * statistics.median(v) for phase, v in per.items()}
-               for side, per in phases.items()}
+    # each phase's median over every timed step (the phases' medians need not add up to the step's),
+    # the collector's mean (a collection comes every few steps: its median is 0); times in ms, faults
+    # a count (timed_step gives thousands, as it gives seconds)
+    medians = {side: {phase: 1e3 * (statistics.mean if phase == "gc" else statistics.median)(v)
+                      for phase, v in per.items()} for side, per in phases.items()}
     # every rank's CPU ms a step (rank 0's phases alone cannot tell a rank doing more work from cores
     # left idle while ranks wait: on a machine with fewer cores than ranks, the two differ)
     cpu_by_rank = [None] * dist.get_world_size()
@@ -440,6 +453,7 @@ def release_freed_memory() -> None:
 
 def _rank(local_rank, cfg, out_path):
     torch.set_num_threads(cfg["threads"])
+    gc.callbacks.append(time_the_collector)
     env = minidp.init(backend="nccl" if cfg["device"] == "cuda" else "gloo")
     device = torch.device("cuda", env.local_rank % torch.cuda.device_count()) if cfg["device"] == "cuda" \
         else torch.device("cpu")
