@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # torch DDP's own helpers
 
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
 DIRECT_BROADCAST_BYTES = 1024 * 1024  # a contiguous tensor this large: broadcast in place, unpacked
@@ -50,21 +51,21 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group=None, src: int = 
     packed = []
     with torch.no_grad():
         for t in tensors:
-            if t.numel() * t.element_size() < DIRECT_BROADCAST_BYTES:
+            if t.nbytes < DIRECT_BROADCAST_BYTES:
                 packed.append(t)
                 continue
             flat = t.detach() if t.is_contiguous() else t.detach().contiguous()
             dist.broadcast(flat, src=src, group=group)  # ranks meet here
             if flat.data_ptr() != t.data_ptr() and not is_src:
                 t.copy_(flat)
-    for chunk in flat_chunks(packed, chunk_bytes):
-        flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-        dist.broadcast(flat, src=src, group=group)  # ranks meet here
-        if is_src:
-            continue  # the source's tensors hold these values already
-        with torch.no_grad():
-            for t, piece in zip(chunk, flat.split([t.numel() for t in chunk])):
-                t.copy_(piece.view_as(t))
+    # Packing and unpacking are one call each (a loop in C++): ResNet-50 has 159 buffers, a Python
+    # loop over them cost 0.4 ms more a forward than torch DDP's C++ broadcast on the ranks that unpack.
+    with torch.no_grad():
+        for chunk in flat_chunks(packed, chunk_bytes):
+            flat = _flatten_dense_tensors(chunk)  # one new flat tensor, the chunk back to back
+            dist.broadcast(flat, src=src, group=group)  # ranks meet here
+            if not is_src:  # the source's tensors hold these values already
+                torch._foreach_copy_(chunk, _unflatten_dense_tensors(flat, chunk))
 
 
 def flat_chunks(tensors: Sequence[torch.Tensor], chunk_bytes: int = BROADCAST_CHUNK_BYTES):
@@ -79,7 +80,7 @@ def flat_chunks(tensors: Sequence[torch.Tensor], chunk_bytes: int = BROADCAST_CH
     for group in groups.values():
         chunk, size = [], 0
         for t in group:
-            t_size = t.numel() * t.element_size()
+            t_size = t.nbytes
             if chunk and size + t_size > chunk_bytes:
                 yield chunk
                 chunk, size = [], 0
