@@ -22,7 +22,7 @@ import minidp.runtime.watchdog as watchdog  # noqa: E402
 from minidp.engine.reducer import Reducer  # noqa: E402
 
 PAIRS = ("ddp_static", "fsdp")  # a DDP pair and a sharded one (the suite's time: each pair is seconds)
-OFF = ["watchdog", "small-batch", "hold-back"]
+OFF = ["watchdog", "small-batch", "hold-back", "early-write-back"]
 REAL_WATCHDOG_START = watchdog.start
 QUICK = ["--quick", "--world-sizes", "2", "--models", "gpt2", "--warmup", "1"]
 
@@ -88,8 +88,8 @@ def test_real_models_ablated(tmp_path, capfd):
             "--split-backward"]
     stdout, result = run(real_models_ablate.main, argv, tmp_path, capfd, "ablated")
     assert "minidp built first" in stdout and "tail" in stdout
-    assert "minidp ablated: watchdog small-batch hold-back" in stdout
-    assert result["config"]["note"] == "minidp ablated: watchdog small-batch hold-back"
+    assert "minidp ablated: watchdog small-batch hold-back early-write-back" in stdout
+    assert result["config"]["note"] == "minidp ablated: watchdog small-batch hold-back early-write-back"
     assert result["config"]["build_order"] == ["minidp", "torch"]
     row, = result["rows"]
     assert row["engines"]["minidp"].startswith("minidp.") and row["sequence"] == "tmmt"
@@ -97,7 +97,7 @@ def test_real_models_ablated(tmp_path, capfd):
     for side in ("torch", "minidp"):
         phases = row["phases"][side]
         assert 0 < phases["tail"] < phases["backward"], phases
-    assert _switchable_state() == (True, True, False)  # undone after the run
+    assert _switchable_state() == (True, True, False, True)  # undone after the run
 
 
 def test_real_models_control(tmp_path, capfd):
@@ -113,7 +113,8 @@ def test_real_models_control(tmp_path, capfd):
 
 def _switchable_state():
     """(watchdog started?, small gradients batched?, a full last bucket launched before the end of
-    backward?), on a stand-in reducer with one full bucket (unpatched: held back)."""
+    backward?, buckets written back as they are reduced?), on stand-in reducers (the third: one full
+    bucket, unpatched held back; the fourth: no status exchanged)."""
     import types
 
     from minidp.engine.step import Step
@@ -123,14 +124,15 @@ def _switchable_state():
     fake = types.SimpleNamespace(layout=types.SimpleNamespace(buckets=[bucket]), iteration=1, reduce=lambda b, buf: 0,
                                  recorder=types.SimpleNamespace(launch=lambda *a: None, watch=lambda *a: None))
     Reducer.launch_ready_buckets(fake, step)
-    return watchdog.start is REAL_WATCHDOG_START, layout.SMALL_GRAD_NUMEL > 0, len(step.futures) == 1
+    early = Reducer._writes_back_early(types.SimpleNamespace(_needs_status=lambda: False))
+    return watchdog.start is REAL_WATCHDOG_START, layout.SMALL_GRAD_NUMEL > 0, len(step.futures) == 1, early
 
 
 def test_ablate_switches_take_effect_and_are_undone():
     before = _switchable_state()
-    assert before == (True, True, False)
+    assert before == (True, True, False, True)
     with real_models_ablate.switched_off(OFF):
-        assert _switchable_state() == (False, False, True)
+        assert _switchable_state() == (False, False, True, False)
         assert watchdog.start(None, 0, 2) is None and watchdog.current() is None  # starts nothing
     assert _switchable_state() == before
     with pytest.raises(SystemExit):  # an unknown switch: argparse's one line

@@ -13,6 +13,9 @@ torch's side is untouched):
   hold-back    the last bucket is launched at its last gradient's hook, as torch DDP does, not at the end
                of backward (engine/reducer.py holds it there for the failure protocol: failures.py; with
                this switch a rank whose backward raises leaves the others waiting; for measuring only)
+  early-write-back  every bucket is written back after the step's verdict, as before 2026-12-06 (engine/
+               reducer.py now writes each bucket but the last back as soon as it is reduced, while the
+               later ones are still in flight, as torch's reducer does)
 The switches are for measuring; results (gradients, weights) do not change with any of them.
 """
 from __future__ import annotations
@@ -51,7 +54,14 @@ def no_hold_back():
     return mock.patch.object(Reducer, "launch_ready_buckets", launch_all_ready)
 
 
-SWITCHES = {"watchdog": no_watchdog, "small-batch": no_small_batch, "hold-back": no_hold_back}
+def no_early_write_back():
+    from minidp.engine.reducer import Reducer
+
+    return mock.patch.object(Reducer, "_writes_back_early", lambda self: False)
+
+
+SWITCHES = {"watchdog": no_watchdog, "small-batch": no_small_batch, "hold-back": no_hold_back,
+            "early-write-back": no_early_write_back}
 
 
 @contextlib.contextmanager

@@ -163,8 +163,8 @@ def _reducer_of(model, caller: str):
 
 def failed_message(rank: int, iteration: int, failed_ranks: list[int]) -> str:
     return (f"minidp.DDP on rank {rank}: the backward of iteration {iteration} raised on rank(s) "
-            f"{failed_ranks}, so every rank discards this iteration's gradients (none were "
-            "averaged). "
+            f"{failed_ranks}, so every rank discards this iteration's gradients (some .grad may "
+            "hold averages, some this rank's own: use none). "
             "Skip optimizer.step() and call optimizer.zero_grad(), as those ranks do after their "
             "own error, then go on: the ranks stay equal.")
 

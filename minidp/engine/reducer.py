@@ -3,8 +3,9 @@
 One synced step: `prepare_for_backward` arms a fresh `Step` (the step's whole state); each
 gradient's hook copies it into its bucket, and a bucket that is complete *and next in order* is
 launched as an async all-reduce (launching strictly in bucket order keeps every rank issuing the
-same collectives in the same order); when backward ends, `finalize` waits, learns whether every
-rank succeeded (failures.py: no host read, no collective) and writes the averages back. A mode
+same collectives in the same order); when backward ends, `finalize` waits for each bucket and
+writes its averages back while later buckets are still in flight, and learns whether every rank
+succeeded (failures.py: no host read, no collective) before the last bucket. A mode
 changes only the readiness policy: step.py's `EveryParameter` is the default's, readiness.py holds
 the others. At world size 1 on the default path there are no buckets (one rank's average is its
 own).
@@ -193,7 +194,11 @@ class Reducer:
             self._skip(step, buckets[index])
         self.skipped_buckets = len(skipped)  # for model._get_ddp_logging_data()
         self.launch_ready_buckets(step, at_end=True)
-        results = self._wait_all(step)
+        # Each bucket but the last is written back as soon as it is reduced, while later ones are
+        # still in flight (as torch's reducer does; on ResNet-50 that hides most of the copies),
+        # unless the status exchanged below says which parameters no rank used: then all after it.
+        early = self._writes_back_early()  # the same on every rank
+        results = self._wait_all(step, self.readiness.after_step(step, None)[0] if early else None)
         self.open_step = None  # every bucket is reduced: nothing is left for close_failed_step
         failed_ranks, used = self._verdict(step, results)  # ranks meet there with find_unused
         if failed_ranks:
@@ -201,14 +206,20 @@ class Reducer:
         self.completed += 1  # the same count on every rank while the layout may change
         unused, order = self.readiness.after_step(step, used)
         self.layout.note_ready_order(order)
-        for bucket, result in zip(self.layout.buckets, results):
+        first = max(len(results) - 1, 0) if early else 0  # those before it are written back
+        for bucket, result in zip(buckets[first:], results[first:]):
             bucket.write_back(result, self.params, unused)
         self.recorder.event("finalize_end", self.iteration)
 
-    def _wait_all(self, step: Step) -> list:
-        """Every launched bucket's reduced buffer, in order."""
-        futures = zip(self.layout.buckets, step.futures, strict=True)
-        return [self._wait(bucket, future) for bucket, future in futures]
+    def _wait_all(self, step: Step, unused: set | None = None) -> list:
+        """Every launched bucket's reduced buffer, in order; given `unused` (the parameters no rank
+        used), each but the last is written back as soon as it is reduced."""
+        results = []
+        for bucket, future in zip(self.layout.buckets, step.futures, strict=True):
+            results.append(self._wait(bucket, future))
+            if unused is not None and bucket is not self.layout.buckets[-1]:
+                bucket.write_back(results[-1], self.params, unused)
+        return results
 
     def _wait(self, bucket, future) -> torch.Tensor:
         """The bucket's reduced buffer; a failure names this rank, the step and the bucket."""
@@ -275,6 +286,11 @@ class Reducer:
                 late = failures.late_message(self.rank, iteration, self.iteration, failed)
                 raise RuntimeError(late)
         return failed_now
+
+    def _writes_back_early(self) -> bool:
+        """Whether buckets are written back as they are reduced: where no status is exchanged (else
+        it says which parameters no rank used)."""
+        return not self._needs_status()
 
     def _needs_status(self) -> bool:
         """Whether steps exchange a status (a collective): use counts, or a sparse last bucket,

@@ -34,7 +34,8 @@ class EveryParameter:
     `is_last_hook` (is this hook the parameter's last this step?), `at_first_hook` (parameters
     ready now, as zeros), `at_end` (at the end of backward: parameters whose gradients go in now,
     those reduced as zeros, buckets not reduced at all; or an error), `counts_use` (does the step
-    count each parameter's users?), `after_step` (parameters no rank used, the ready order).
+    count each parameter's users?), `after_step` (parameters no rank used, the ready order; where
+    the step counts no use, asked before the waits too: it must change nothing then).
     readiness.py answers for find_unused_parameters, skip_all_reduce_unused_params, static_graph.
 
     Args:
