@@ -3,18 +3,21 @@ and what does not depend on timing holds: the counted DDP bytes are predict_memo
 (plus AdamW's 4-byte `step`s), and
 minidp's optimizer state equals torch FSDP2's rank by rank (reshard_after_forward True and False), and
 its counted bytes at the peak are no more than FSDP2's (equal with the collectives' buffers)."""
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the ranks forked, not spawned: each spawned rank imports torch again (seconds on this 2-core machine);
-# what is tested is what the scripts measure and write (the spawn path runs in test_readme.py, test_launch.py)
-sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
-from processes import clean_env  # noqa: E402
+from harness import workers_forked
 
-FORKED = clean_env(MINIDP_START_METHOD="fork")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# fsdp_timeline.py runs through its main() in this process, its ranks forked from it (as test_benchmarks.py runs
+# timeline.py): the same job and files without importing torch again; the spawn path runs in test_readme.py
+# and test_launch.py. The memory benchmark stays a command: it measures its processes' peaks from their start.
+sys.path[:0] = [os.path.join(ROOT, "benchmarks", folder) for folder in ("overlap", "shared")]
+import fsdp_timeline  # noqa: E402
 
 
 def test_fully_shard_memory_benchmark_quick(tmp_path):
@@ -39,10 +42,8 @@ def test_fully_shard_memory_benchmark_quick(tmp_path):
 
 def test_fully_shard_timeline_quick(tmp_path):
     """benchmarks/overlap/fsdp_timeline.py --quick: a PNG, and a trace with both collectives' lanes on each rank."""
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "overlap", "fsdp_timeline.py"), "--quick",
-                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env=FORKED)
-    assert out.returncode == 0, out.stderr[-3000:]
+    with workers_forked(), contextlib.redirect_stdout(io.StringIO()):
+        assert fsdp_timeline.main(["--quick", "--out", str(tmp_path)]) == 0
     stem = tmp_path / "results" / "fsdp_timeline_cpu"
     assert (stem.with_suffix(".png")).stat().st_size > 0
     trace = json.loads(stem.with_suffix(".json").read_text())
