@@ -1,4 +1,7 @@
 """minidp.DDP behaviour beyond parity: bucket layout = DDP's, real overlap, errors instead of hangs."""
+import threading
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -123,13 +126,50 @@ def _dropin_worker():
     return keys_equal, all(torch.equal(a, b) for a, b in zip(*results))
 
 
+def _early_write_back_worker():
+    """Were the first buckets' gradients written back before the last bucket's reduction completed?
+
+    A comm hook hands back every bucket reduced to 7s at once, but the last one's future only 0.3 s
+    later, from a thread that first looks at the other buckets' `.grad` (3 steps: the buckets are
+    rebuilt after the first). As torch's reducer, minidp writes each bucket back once it is reduced."""
+    model = minidp.DDP(build("mlp"), bucket_cap_mb=0.002)
+    first_buckets, seen = [], []
+
+    def hook(state, bucket):
+        future, reduced = torch.futures.Future(), torch.full_like(bucket.buffer(), 7.0)
+        if not bucket.is_last():
+            first_buckets.extend(bucket.parameters())
+            future.set_result(reduced)
+            return future
+
+        def later():
+            time.sleep(0.3)
+            seen.append(all(p.grad is not None and bool((p.grad == 7).all()) for p in first_buckets))
+            future.set_result(reduced)
+        threading.Thread(target=later).start()
+        return future
+
+    model.register_comm_hook(None, hook)
+    for _ in range(3):
+        first_buckets.clear()
+        model.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+    return seen, len(model.bucket_plan())
+
+
 @pytest.fixture(scope="module")
 def two_ranks():
     return run_ranks(_two_rank_checks, 2, timeout=300)
 
 
 def _two_rank_checks():
-    return {"layout": _layout_worker(), "overlap": _overlap_worker(), "errors": _error_worker()}
+    return {"layout": _layout_worker(), "overlap": _overlap_worker(), "errors": _error_worker(),
+            "early write-back": _early_write_back_worker()}
+
+
+def test_buckets_are_written_back_as_they_are_reduced(two_ranks):
+    seen, buckets = two_ranks[0]["early write-back"]
+    assert buckets > 1 and seen[-1] is True, (seen, buckets)
 
 
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))
