@@ -198,13 +198,14 @@ class Reducer:
         # still in flight (as torch's reducer does; on ResNet-50 that hides most of the copies),
         # unless the status exchanged below says which parameters no rank used: then all after it.
         early = self._writes_back_early()  # the same on every rank
-        results = self._wait_all(step, self.readiness.after_step(step, None)[0] if early else None)
+        known = self.readiness.after_step(step, None) if early else None  # no status: known now
+        results = self._wait_all(step, known[0] if early else None)
         self.open_step = None  # every bucket is reduced: nothing is left for close_failed_step
         failed_ranks, used = self._verdict(step, results)  # ranks meet there with find_unused
         if failed_ranks:
             raise RuntimeError(failures.failed_message(self.rank, self.iteration, failed_ranks))
         self.completed += 1  # the same count on every rank while the layout may change
-        unused, order = self.readiness.after_step(step, used)
+        unused, order = known or self.readiness.after_step(step, used)
         self.layout.note_ready_order(order)
         first = max(len(results) - 1, 0) if early else 0  # those before it are written back
         for bucket, result in zip(buckets[first:], results[first:]):

@@ -35,7 +35,7 @@ class EveryParameter:
     ready now, as zeros), `at_end` (at the end of backward: parameters whose gradients go in now,
     those reduced as zeros, buckets not reduced at all; or an error), `counts_use` (does the step
     count each parameter's users?), `after_step` (parameters no rank used, the ready order; where
-    the step counts no use, asked before the waits too: it must change nothing then).
+    the step counts no use, asked before the waits, ahead of the verdict: it must change nothing).
     readiness.py answers for find_unused_parameters, skip_all_reduce_unused_params, static_graph.
 
     Args:
